@@ -1,0 +1,1 @@
+"""Reference models, written with logical axis names only."""

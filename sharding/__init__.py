@@ -1,0 +1,16 @@
+"""Logical axis names -> named device mesh. Imports nothing of the rest of spmd."""
+
+from sharding.annotate import LOGICAL_AXES_KEY, activation_sharding, constrain, param, with_axes
+from sharding.axes import ACTIVATION_PREFIX, LOGICAL_AXES, MESH_AXES
+from sharding.errors import ShardingError
+from sharding.params import ParamSharding, path_str, resolve_params, state_shardings
+from sharding.report import ShardingReport
+from sharding.resolve import logical_to_spec, spec_is_replicated
+from sharding.rules import PRESETS, Preset, RuleTable, preset, rules_for
+
+__all__ = [
+    "ACTIVATION_PREFIX", "LOGICAL_AXES", "LOGICAL_AXES_KEY", "MESH_AXES", "PRESETS",
+    "ParamSharding", "Preset", "RuleTable", "ShardingError", "ShardingReport",
+    "activation_sharding", "constrain", "logical_to_spec", "param", "path_str", "preset",
+    "resolve_params", "rules_for", "spec_is_replicated", "state_shardings", "with_axes",
+]

@@ -1,0 +1,46 @@
+"""The checkpointer as the trainer sees it: restore once, offer every step, close."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restored train state and where it came from ("local", "partner", "persistent")."""
+
+    step: int
+    state: Any
+    source: str
+    detail: str = ""
+
+
+class Checkpointer(Protocol):
+    def restore(self, abstract_state: Any) -> Restored | None:
+        """Newest committed step across tiers, onto `abstract_state`'s shardings; None if none."""
+
+    def maybe_save(self, step: int, state: Any, *, force: bool = False) -> None:
+        """Offer the state after `step` completed steps; saves when a tier is due (or forced)."""
+
+    def check(self) -> None:
+        """Raise an error from a background save (naming rank and path), if one happened."""
+
+    def close(self) -> None:
+        """Wait for saves in flight (bounded by checkpoint.timeout_s) and release resources."""
+
+
+class NullCheckpointer:
+    """Used when checkpoint.every and checkpoint.persistent_every are both 0."""
+
+    def restore(self, abstract_state: Any) -> Restored | None:
+        return None
+
+    def maybe_save(self, step: int, state: Any, *, force: bool = False) -> None:
+        return None
+
+    def check(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,59 @@
+"""The `spmd` console script. Each subcommand lives in `spmd.commands.<name>`.
+
+A subcommand module provides `register(subparsers)` and `run(args) -> int`.
+Errors that a user can fix (SpmdError, ShardingError) print one message and exit
+non-zero; the traceback goes to stderr only with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+
+COMMANDS = ("train", "run", "doctor", "shardings", "jobscript", "ckpt", "plot", "data", "plan")
+
+log = logging.getLogger("spmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spmd", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"spmd.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"spmd.commands.{name}":
+                continue  # not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from sharding.errors import ShardingError
+    from spmd.errors import SpmdError
+
+    return (SpmdError, ShardingError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except _user_errors() as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"spmd {args.command}: error: {e}", file=sys.stderr)
+        code = getattr(e, "exit_code", 2)
+    except KeyboardInterrupt:
+        code = 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

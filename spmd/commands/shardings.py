@@ -1,0 +1,39 @@
+"""`spmd shardings CONFIG [key=value ...] [--devices N] [--json]`: the sharding report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("shardings", help="print where every parameter lives, without training")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    p.add_argument("--devices", type=int, default=None,
+                   help="lay out for N devices (CPU stand-ins; default: the devices JAX sees)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spmd.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.devices is not None:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
+    import jax
+
+    from sharding import rules_for
+    from spmd.mesh import build_mesh
+    from spmd.state import model_layout
+    from spmd.tasks import make_task
+
+    mesh = build_mesh(cfg.mesh, jax.devices())
+    rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
+    report = model_layout(make_task(cfg), cfg.train.seed, rules, mesh).report
+    print(json.dumps(report.as_json(), indent=2) if args.json else report.as_text())
+    report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
+    return 0

@@ -1,0 +1,1 @@
+"""Data: deterministic sources and the feed that assembles global batches."""

@@ -1,0 +1,59 @@
+"""Everything compiled for one config on one mesh: layouts, feed, jitted init/train/eval."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import optax
+from jax.sharding import Mesh
+
+from sharding import RuleTable, rules_for
+from spmd.config import Config
+from spmd.data.feed import BatchFeed
+from spmd.state import (
+    ModelLayout,
+    StateLayout,
+    init_state_fn,
+    make_optimizer,
+    model_layout,
+    state_layout,
+)
+from spmd.step import make_eval_step, make_sample_step, make_train_step
+from spmd.tasks import Task, make_task
+
+
+@dataclass
+class Runtime:
+    cfg: Config
+    task: Task
+    mesh: Mesh
+    rules: RuleTable
+    tx: optax.GradientTransformation
+    model: ModelLayout
+    state: StateLayout
+    feed: BatchFeed
+    init: Callable
+    train_step: Callable
+    eval_step: Callable | None
+    sample_step: Callable | None
+
+
+def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
+    """Resolve every sharding (failing early with precise errors) and build the jitted steps."""
+    task = task or make_task(cfg)
+    rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
+    tx = make_optimizer(cfg)
+    model = model_layout(task, cfg.train.seed, rules, mesh)
+    model.report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
+    state = state_layout(model, tx, rules, mesh)
+    feed = BatchFeed(task.batch_fields(), cfg.train.batch_size, mesh, rules)
+    train_step = make_train_step(task, model, state, tx, feed.shardings, mesh, rules,
+                                 donate=cfg.train.donate)
+    eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules)
+                 if task.eval_source() is not None else None)
+    has_samples = type(task).sample_outputs is not Task.sample_outputs
+    sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules)
+                   if eval_step is not None and has_samples else None)
+    return Runtime(cfg, task, mesh, rules, tx, model, state, feed,
+                   init_state_fn(task, cfg, tx, state), train_step, eval_step, sample_step)

@@ -1,0 +1,44 @@
+"""Regression onto a fixed random teacher with the residual MLP."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.mlp import Mlp
+from spmd.config import MlpConfig
+from spmd.data.synthetic import TeacherRegression
+from spmd.tasks.base import BatchField, Task
+
+
+class RegressionTask(Task):
+    @property
+    def model_cfg(self) -> MlpConfig:
+        return self.cfg.model
+
+    def build_model(self, rngs: nnx.Rngs) -> Mlp:
+        m = self.model_cfg
+        return Mlp(m.d_in, m.d_hidden, m.d_out, m.num_layers, rngs=rngs, dtype=jnp.dtype(m.dtype))
+
+    def batch_fields(self) -> dict[str, BatchField]:
+        m = self.model_cfg
+        return {"inputs": BatchField((m.d_in,), np.dtype(np.float32), ("batch", "embed")),
+                "targets": BatchField((m.d_out,), np.dtype(np.float32), ("batch", "channels"))}
+
+    def loss(self, model, batch):
+        pred = model(batch["inputs"]).astype(jnp.float32)
+        return jnp.mean((pred - batch["targets"]) ** 2), {}
+
+    def _source(self, stream: int) -> TeacherRegression:
+        m = self.model_cfg
+        return TeacherRegression(self.cfg.train.seed, m.d_in, m.d_out, stream=stream)
+
+    def train_source(self) -> TeacherRegression:
+        return self._source(0)
+
+    def eval_source(self) -> TeacherRegression | None:
+        return self._source(1) if self.cfg.train.eval_every else None
+
+    def eval_metrics(self, model, batch) -> dict:
+        return {"eval_loss": self.loss(model, batch)[0]}

@@ -1,0 +1,143 @@
+"""The training loop: one rank's view of a run, from bootstrap to the last save."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from launch import PREEMPTED_EXIT_CODE, LaunchEnv, PreemptionWatcher, bootstrap, job_end_time
+from spmd.checkpoint import make_checkpointer
+from spmd.config import Config
+from spmd.mesh import build_mesh
+from spmd.metrics import EventLog, JsonlWriter, Progress, setup_logging
+from spmd.runtime import Runtime, build_runtime
+from spmd.tasks import make_task
+
+log = logging.getLogger("spmd.trainer")
+
+HALT_FILE = "HALT"
+
+
+def evaluate(rt: Runtime, params, sample_path: Path | None) -> dict[str, float]:
+    """Mean of the task's eval metrics over `data.eval_batches` fixed batches.
+
+    With a sample step, the first batch's sample outputs go to `sample_path` (rank 0).
+    """
+    source = rt.task.eval_source()
+    totals: dict[str, float] = {}
+    n = rt.task.eval_batches()
+    for i in range(n):
+        batch = rt.feed.global_batch(source, i)
+        metrics = jax.device_get(rt.eval_step(params, batch))
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + float(v) / n
+        if i == 0 and rt.sample_step is not None:
+            sample = jax.device_get(rt.sample_step(params, batch))
+            if sample_path is not None:
+                np.savez(sample_path, **sample)
+    return totals
+
+
+def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
+    """Train on an initialized JAX runtime; returns the process exit status."""
+    is_main = env.rank == 0
+    run_dir = cfg.run.dir
+    task = make_task(cfg)
+    task.prepare(is_main)
+    if env.size > 1:
+        multihost_utils.sync_global_devices("spmd:task-prepared")
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank), task)
+    mesh_desc = {k: v for k, v in rt.mesh.shape.items() if v > 1}
+    log.info("mesh %s over %d devices, %d processes; params %s B total, %s B per device",
+             mesh_desc or "1 device", rt.mesh.size, env.size,
+             f"{rt.model.report.total_bytes:,}", f"{rt.model.report.bytes_per_device:,}")
+
+    ckpt = make_checkpointer(cfg, env, rt.mesh, events)
+    restored = ckpt.restore(rt.state.abstract)
+    if restored is not None:
+        state, start = restored.state, restored.step
+        events.emit("restored", step=start, source=restored.source, detail=restored.detail)
+    else:
+        state, start = rt.init(), 0
+        events.emit("initialized", step=0)
+
+    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE)
+    end_time = job_end_time(env, os.environ)
+    if end_time is not None:
+        watcher.deadline = end_time - cfg.launch.walltime_margin_s
+        log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
+                 cfg.launch.walltime_margin_s)
+
+    metrics_log = JsonlWriter(run_dir / "metrics.jsonl", enabled=is_main)
+    total = cfg.train.steps
+    progress = Progress(total, start, enabled=is_main and cfg.run.progress)
+    source = rt.task.train_source()
+    batch = cfg.train.batch_size
+    units = rt.task.tokens_per_example()
+    try:
+        last_time, last_step = time.perf_counter(), start
+        for step in range(start, total):
+            state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))
+            done = step + 1
+            if done % cfg.run.log_every == 0 or done == total:
+                values = jax.device_get(metrics)
+                now = time.perf_counter()
+                step_time = (now - last_time) / (done - last_step)
+                last_time, last_step = now, done
+                record = {"step": step, "loss": float(values["loss"]), "step_time_s": step_time,
+                          "samples_per_s": batch / step_time}
+                if units > 1:
+                    record["tokens_per_s"] = batch * units / step_time
+                record.update({k: float(v) for k, v in values.items() if k != "loss"})
+                if not np.isfinite(record["loss"]):
+                    events.emit("nonfinite_loss", step=step, loss=str(record["loss"]))
+                metrics_log.write(record)
+                progress.update(done, record["loss"], record["samples_per_s"],
+                                step_time * (total - done))
+            if rt.eval_step is not None and cfg.train.eval_every and (
+                    done % cfg.train.eval_every == 0 or done == total):
+                sample_path = run_dir / "eval_sample.npz" if is_main else None
+                eval_record = {"step": step, **evaluate(rt, state["params"], sample_path)}
+                metrics_log.write(eval_record)
+                events.emit("evaluated", **eval_record)
+                last_time = time.perf_counter()  # evaluation is not step time
+            ckpt.maybe_save(done, state)
+            if watcher.should_stop(done):
+                ckpt.maybe_save(done, state, force=True)
+                ckpt.close()
+                events.emit("preempted", step=done, reason=watcher.reason,
+                            exit_code=PREEMPTED_EXIT_CODE)
+                return PREEMPTED_EXIT_CODE
+        ckpt.maybe_save(total, state, force=True)
+        ckpt.close()
+        events.emit("finished", step=total)
+        return 0
+    finally:
+        progress.close()
+        metrics_log.close()
+
+
+def train(cfg: Config, debug: bool = False) -> int:
+    """`spmd train`: bootstrap this rank, train, and shut the distributed runtime down."""
+    env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
+                    heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir, env.rank, debug)
+    if env.rank == 0:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    events = EventLog(run_dir / "events.jsonl", env.rank)
+    events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
+                restart_count=env.restart_count, job_id=env.job_id)
+    try:
+        return run_training(cfg, env, events)
+    finally:
+        events.close()
+        if env.size > 1:
+            jax.distributed.shutdown()

@@ -1,0 +1,49 @@
+"""Shared test set-up: 8 CPU devices in the pytest process, helpers to run the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Before anything imports jax: this process gets 8 CPU devices, subprocesses choose their own.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a child `spmd`: no launcher variables leaking in from outside."""
+    prefixes = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "FLUX_", "JSM_", "LSB_", "PALS_", "PBS_",
+                "SPMD_", "MPI_LOCAL", "HYDRA_", "JAX_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def run_spmd(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m spmd.cli ARGS` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "spmd.cli", *args], capture_output=True, text=True,
+        env=env or clean_env(), timeout=timeout, cwd=cwd or REPO,
+    )
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip locally when a prerequisite is missing; fail on CI, where it must be there."""
+    if not condition:
+        if ON_CI:
+            pytest.fail(f"prerequisite missing on CI: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
