@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import REPO
 from sharding import activation_sharding
 from spmd.config import load_config
 from spmd.mesh import build_mesh
 from spmd.runtime import build_runtime
-
-from conftest import REPO
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 10
