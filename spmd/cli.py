@@ -34,10 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from launch.errors import LaunchError
     from sharding.errors import ShardingError
     from spmd.errors import SpmdError
 
-    return (SpmdError, ShardingError)
+    return (SpmdError, ShardingError, LaunchError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,7 +63,17 @@ class FnoConfig(_Section):
     modes: int = Field(12, ge=1)
     num_layers: int = Field(4, ge=1)
     grid: int = Field(64, ge=4)
+    projection: int = Field(128, ge=1)   # hidden channels of the output projection
     dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _modes_fit(self) -> FnoConfig:
+        if 2 * self.modes > self.grid:
+            raise ValueError(
+                f"model.modes={self.modes} needs model.grid >= {2 * self.modes} "
+                f"(got {self.grid}): a Fourier layer keeps modes x modes frequencies per half"
+            )
+        return self
 
 
 ModelConfig = Annotated[TransformerConfig | MlpConfig | FnoConfig, Field(discriminator="name")]
@@ -99,6 +109,7 @@ class DataConfig(_Section):
     num_train: int = Field(1000, ge=1)
     num_test: int = Field(100, ge=1)
     eval_batches: int = Field(2, ge=1)
+    seed: int = Field(0, ge=0)        # generator seed of a dataset made by `spmd data make`
     solver: dict[str, Any] = Field(default_factory=dict)
 
 
