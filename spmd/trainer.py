@@ -78,7 +78,8 @@ def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
         state, start = rt.init(), 0
         events.emit("initialized", step=0)
 
-    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE)
+    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE,
+                                        timeout_s=cfg.launch.barrier_timeout_s, env=env)
     end_time = job_end_time(env, os.environ)
     if end_time is not None:
         watcher.deadline = end_time - cfg.launch.walltime_margin_s

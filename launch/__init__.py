@@ -1,0 +1,17 @@
+"""Process bootstrap: knows schedulers and MPI, nothing of models.
+
+    env = bootstrap(init_timeout_s, heartbeat_timeout_s)   # every rank, before any JAX use
+    watcher = PreemptionWatcher.install(halt_file=run_dir / "HALT")
+    ...
+    if watcher.should_stop(step):                           # every rank, every step
+        save(); sys.exit(PREEMPTED_EXIT_CODE)               # 75: the job script requeues
+"""
+
+from launch.bootstrap import bootstrap
+from launch.env import LaunchEnv, resolve_launch_env
+from launch.errors import LaunchError
+from launch.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
+from launch.walltime import job_end_time
+
+__all__ = ["LaunchEnv", "LaunchError", "resolve_launch_env", "bootstrap", "PreemptionWatcher",
+           "PREEMPTED_EXIT_CODE", "job_end_time"]

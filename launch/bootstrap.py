@@ -1,0 +1,96 @@
+"""`bootstrap`: resolve this rank, bind its devices, pick the coordinator, start jax.distributed.
+
+jax.distributed.initialize aborts the whole process from C++ when the coordinator does not
+answer in time (jax 0.10: "Terminating process because the JAX distributed service detected
+fatal errors ... DEADLINE_EXCEEDED"), so every wait is ours first: non-zero ranks probe the
+coordinator's TCP port until `init_timeout_s`, and a watchdog thread ends the process with a
+message naming rank, host and coordinator if initialize itself is not done by then.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from launch import coordinator, devices, mpi
+from launch.env import LaunchEnv, resolve_launch_env
+from launch.errors import LaunchError
+
+_current: dict[str, Any] = {}
+
+
+def current() -> tuple[LaunchEnv, Any] | None:
+    """(env, MPI communicator or None) of the last `bootstrap` in this process."""
+    return (_current["env"], _current["comm"]) if _current else None
+
+
+def _timed_out(env: LaunchEnv, addr: str, timeout_s: float) -> None:
+    waited_for = ("for all ranks to connect to the coordinator it serves" if env.rank == 0 else
+                  "for all ranks to join (this rank reached the coordinator)")
+    print(f"spmd: error: {env.who}: jax.distributed.initialize did not finish within "
+          f"{timeout_s:.0f} s, waiting {waited_for} at {addr} ({env.size} ranks, "
+          f"launcher {env.launcher}). Check that every rank started (launcher output, their "
+          f"logs), that {addr} is reachable from every node, or raise launch.init_timeout_s",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(LaunchError.exit_code)
+
+
+def _initialize(env: LaunchEnv, ids: tuple[int, ...] | None, init_timeout_s: float,
+                heartbeat_timeout_s: float, shutdown_timeout_s: float) -> None:
+    import jax
+
+    assert env.coordinator is not None
+    start = time.monotonic()
+    if env.rank != 0:
+        coordinator.wait_reachable(env.coordinator, init_timeout_s, env.who)
+    left = max(1.0, init_timeout_s - (time.monotonic() - start))
+    wanted = dict(
+        coordinator_address=env.coordinator, num_processes=env.size, process_id=env.rank,
+        local_device_ids=list(ids) if ids is not None else None,
+        cluster_detection_method="deactivate",
+        initialization_timeout=int(math.ceil(left)) + 60,  # our watchdog speaks first
+        heartbeat_timeout_seconds=int(math.ceil(heartbeat_timeout_s)),
+        shutdown_timeout_seconds=int(math.ceil(shutdown_timeout_s)))
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    kwargs = {k: v for k, v in wanted.items() if k in accepted}
+    watchdog = threading.Timer(left, _timed_out, args=(env, env.coordinator, init_timeout_s))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise LaunchError(f"{env.who}: jax.distributed.initialize({env.coordinator}, "
+                          f"{env.size} processes) failed: {e}") from e
+    finally:
+        watchdog.cancel()
+
+
+def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0, *,
+              shutdown_timeout_s: float | None = None,
+              environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Resolve, bind devices and (for more than one rank) jax.distributed.initialize.
+
+    Idempotent: a second call in the same process returns the first call's LaunchEnv.
+    """
+    if _current:  # once per process: jax.distributed cannot be initialized twice
+        return _current["env"]
+    environ = os.environ if environ is None else environ
+    comm = mpi.world(environ)
+    env = resolve_launch_env(environ, comm, timeout_s=init_timeout_s)
+    device_plan = devices.plan(env, environ)
+    addr, source = coordinator.choose(env, comm, environ, init_timeout_s)
+    env = replace(env, coordinator=addr, sources={**env.sources, "coordinator": source})
+    devices.apply(device_plan, environ)
+    if env.size > 1:
+        _initialize(env, device_plan.local_device_ids, init_timeout_s, heartbeat_timeout_s,
+                    shutdown_timeout_s or init_timeout_s)
+    _current.update(env=env, comm=comm, plan=device_plan)
+    return env
