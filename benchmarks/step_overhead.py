@@ -1,0 +1,321 @@
+"""spmd's train step against a hand-written `jax.jit` step: same model, shardings, donation.
+
+    python benchmarks/step_overhead.py            # full run: table, JSON line, PASS/FAIL
+    python benchmarks/step_overhead.py --short    # CI smoke test: seconds, never fails on timing
+
+Two cases: a dispatch-bound tiny transformer (reported as microseconds added per
+step) and a compute-bound one (>= 20 ms per step here; target: median ratio <= 1.03).
+The baseline is plain JAX: functions over a params pytree, optax, `NamedSharding`
+in/out shardings built by hand and `donate_argnums`. Both steps start from the same
+parameter values (the baseline's first loss must equal spmd's), are fed the same
+device-resident batch, and are timed in interleaved repetitions (AB, BA, ...) of K
+steps each, blocking on the results at the end of every repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # spmd without `pip install`
+from common import (  # noqa: E402
+    Stats,
+    interleaved,
+    json_line,
+    machine,
+    median_ci,
+    paired_differences,
+    paired_ratios,
+    table,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "transformer_tiny.yaml"
+TARGET_RATIO = 1.03
+
+TINY = ["model.num_layers=1", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
+        "model.seq_len=8", "model.vocab_size=32", "train.batch_size=8"]
+COMPUTE = ["model.num_layers=2", "model.d_model=128", "model.num_heads=8", "model.d_ff=512",
+           "model.seq_len=64", "model.vocab_size=512", "train.batch_size=32"]
+# name -> (model overrides, devices (0 = --devices), steps per rep, reps full, reps short)
+CASES = {
+    "dispatch-1dev": (TINY, 1, 20, 200, 5),
+    "dispatch": (TINY, 0, 10, 100, 3),
+    "compute": (COMPUTE, 0, 1, 100, 2),
+}
+SHORT_CASES = ("dispatch-1dev", "compute")
+
+
+# ------------------------------------------------------------------ plain-JAX baseline
+
+
+def baseline_program(cfg, mesh_devices, strategy: str):
+    """The hand-written step: plain functions on a params pytree, optax, explicit shardings."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m, t = cfg.model, cfg.train
+    dtype = jnp.dtype(m.dtype)
+    axis = {"dp": "data", "fsdp": "fsdp"}[strategy]
+    mesh = jax.make_mesh((len(mesh_devices),), (axis,), axis_types=(AxisType.Auto,),
+                         devices=mesh_devices)
+    embed = axis if strategy == "fsdp" else None   # FSDP shards every `embed` dimension
+
+    def spec_of(path: str) -> P:
+        leaf = path.rsplit("/", 1)[-1]
+        specs = {
+            "embedding": P(None, embed), "w_out": P(embed, None), "scale": P(embed),
+            "wq": P(embed), "wk": P(embed), "wv": P(embed), "wo": P(None, None, embed),
+            "w_up": P(embed, None), "w_down": P(None, embed),
+        }
+        return specs[leaf]
+
+    def rms_norm(x, scale, eps=1e-6):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (normed * scale).astype(x.dtype)
+
+    def rope(x, base=10_000.0):
+        half = x.shape[-1] // 2
+        freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs[None, :]
+        sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+        x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+        return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+    def attention(layer, x):
+        xc = x.astype(dtype)
+        q, k, v = (jnp.einsum("ble,ehd->blhd", xc, layer[w].astype(dtype))
+                   for w in ("wq", "wk", "wv"))
+        q, k = rope(q), rope(k)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
+        scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        context = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return jnp.einsum("blhd,hde->ble", context, layer["wo"].astype(dtype))
+
+    def mlp(layer, x):
+        h = jax.nn.gelu(jnp.einsum("...i,io->...o", x.astype(dtype), layer["w_up"].astype(dtype)))
+        return jnp.einsum("...i,io->...o", h.astype(dtype), layer["w_down"].astype(dtype))
+
+    act = NamedSharding(mesh, P(axis, None, None))
+
+    def forward(params, tokens):
+        x = jax.lax.with_sharding_constraint(jnp.take(params["embedding"], tokens, axis=0), act)
+        for layer in params["layers"]:
+            x = x + attention(layer, rms_norm(x, layer["ln1"]["scale"])).astype(x.dtype)
+            x = x + mlp(layer, rms_norm(x, layer["ln2"]["scale"])).astype(x.dtype)
+            x = jax.lax.with_sharding_constraint(x, act)
+        x = rms_norm(x, params["ln_f"]["scale"])
+        return jnp.einsum("...i,io->...o", x.astype(dtype), params["w_out"].astype(dtype))
+
+    def loss_fn(params, batch):
+        logits = forward(params, batch["inputs"]).astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        return loss, jnp.mean(jnp.argmax(logits, -1) == batch["targets"])
+
+    schedule = (optax.linear_schedule(0.0, t.lr, t.warmup_steps) if t.warmup_steps
+                else optax.constant_schedule(t.lr))
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip else []
+    tx = optax.chain(*parts, optax.adamw(schedule, weight_decay=t.weight_decay))
+
+    def train_step(params, opt_state, batch):
+        (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "accuracy": accuracy}
+        return params, opt_state, metrics
+
+    return mesh, spec_of, tx, train_step
+
+
+def to_baseline_params(p: dict) -> dict:
+    """spmd's params dict -> the baseline's own layout (same arrays, renamed)."""
+    blocks = p["blocks"]
+    return {
+        "embedding": p["embedding"],
+        "layers": [
+            {"ln1": {"scale": b["attn_norm"]["scale"]}, "wq": b["attn"]["query"],
+             "wk": b["attn"]["key"], "wv": b["attn"]["value"], "wo": b["attn"]["out"],
+             "ln2": {"scale": b["mlp_norm"]["scale"]}, "w_up": b["mlp"]["up"]["kernel"],
+             "w_down": b["mlp"]["down"]["kernel"]}
+            for _, b in sorted(blocks.items())
+        ],
+        "ln_f": {"scale": p["final_norm"]["scale"]},
+        "w_out": p["unembed"]["kernel"],
+    }
+
+
+def build_pair(overrides: list[str], strategy: str, num_devices: int):
+    """(spmd step, spmd state, baseline step, baseline state, batch, config)."""
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from spmd.config import load_config
+    from spmd.mesh import build_mesh
+    from spmd.runtime import build_runtime
+
+    cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", *overrides])
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    batch = rt.feed.global_batch(rt.task.train_source(), 0)   # device-resident, reused
+    spmd_state = rt.init()
+
+    mesh, spec_of, tx, step_fn = baseline_program(cfg, list(rt.mesh.devices.flat), strategy)
+    params = to_baseline_params(spmd_state["params"])
+    param_shardings = jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, spec_of(jax.tree_util.keystr(path, simple=True,
+                                                                         separator="/"))),
+        params)
+    # The baseline's hand-written shardings must be spmd's, leaf for leaf.
+    spmd_shardings = to_baseline_params(rt.state.shardings["params"])
+    for (path, mine), theirs, leaf in zip(jax.tree_util.tree_leaves_with_path(param_shardings),
+                                          jax.tree.leaves(spmd_shardings), jax.tree.leaves(params)):
+        if not mine.is_equivalent_to(theirs, leaf.ndim):
+            raise AssertionError(f"baseline sharding {mine.spec} != spmd {theirs.spec} at {path}")
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
+        transform_non_params=lambda _: replicated)
+    batch_sharding = NamedSharding(mesh, P(mesh.axis_names[0], None))
+    plain = jax.jit(
+        step_fn,
+        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        out_shardings=(param_shardings, opt_shardings, replicated),
+        donate_argnums=(0, 1),
+    )
+    # The baseline's own buffers holding the same values (spmd's get donated).
+    params = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), params, param_shardings)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+
+    # Same start, same first loss: the two programs compute the same thing.
+    spmd_state, spmd_metrics = rt.train_step(spmd_state, batch)
+    params, opt_state, plain_metrics = plain(params, opt_state, batch)
+    a, b = float(spmd_metrics["loss"]), float(plain_metrics["loss"])
+    if not np.isclose(a, b, rtol=1e-5):
+        raise AssertionError(f"first losses differ: spmd {a} vs plain JAX {b}")
+    return rt, spmd_state, plain, (params, opt_state), batch, cfg
+
+
+def run_case(name: str, overrides: list[str], num_devices: int, steps: int, reps: int,
+             strategy: str) -> dict:
+    import jax
+
+    rt, spmd_state, plain, plain_state, batch, cfg = build_pair(overrides, strategy, num_devices)
+    # The two compiled programs, side by side (cached: both steps have already run).
+    programs = {}
+    for key, compiled in (("spmd", rt.train_step.lower(spmd_state, batch).compile()),
+                          ("plain", plain.lower(*plain_state, batch).compile())):
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        programs[key] = {"xla_flops": cost.get("flops"),
+                         "hlo_lines": compiled.as_text().count("\n")}
+    box = {"spmd": spmd_state, "plain": plain_state}
+
+    def run_spmd() -> None:
+        state = box["spmd"]
+        for _ in range(steps):
+            state, metrics = rt.train_step(state, batch)
+        jax.block_until_ready((state, metrics))
+        box["spmd"] = state
+
+    def run_plain() -> None:
+        params, opt_state = box["plain"]
+        for _ in range(steps):
+            params, opt_state, metrics = plain(params, opt_state, batch)
+        jax.block_until_ready((params, opt_state, metrics))
+        box["plain"] = (params, opt_state)
+
+    times = interleaved({"spmd": run_spmd, "plain": run_plain}, reps=reps, warmup=1)
+    per_step = {k: [x / steps for x in v] for k, v in times.items()}
+    spmd_s, plain_s = Stats.of(per_step["spmd"]), Stats.of(per_step["plain"])
+    ratio_values = paired_ratios(per_step["spmd"], per_step["plain"])
+    ratios = Stats.of(ratio_values)
+    diffs_us = Stats.of(paired_differences(per_step["spmd"], per_step["plain"])).scaled(1e6)
+    m = cfg.model
+    return {
+        "case": name,
+        "model": f"L={m.num_layers} d={m.d_model} ff={m.d_ff} T={m.seq_len} V={m.vocab_size} "
+                 f"B={cfg.train.batch_size}",
+        "strategy": strategy, "devices": rt.mesh.size, "steps_per_rep": steps, "reps": reps,
+        "spmd_ms": spmd_s.scaled(1e3).as_dict(4), "plain_ms": plain_s.scaled(1e3).as_dict(4),
+        "ratio_of_medians": round(spmd_s.median / plain_s.median, 4),
+        "paired_ratio": ratios.as_dict(4),
+        "paired_ratio_ci95": [round(x, 4) for x in median_ci(ratio_values)],
+        "added_us": diffs_us.as_dict(1),
+        "programs": programs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--short", action="store_true",
+                        help="CI smoke mode: a few seconds, reports but never fails on timing")
+    parser.add_argument("--devices", type=int, default=8, help="CPU devices (default 8)")
+    parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per case")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated subset of {', '.join(CASES)} (default: all; "
+                             f"--short: {', '.join(SHORT_CASES)})")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
+    mode = "short" if args.short else "full"
+    results = []
+    names = args.cases.split(",") if args.cases else list(SHORT_CASES if args.short else CASES)
+    for name in names:
+        overrides, devices, steps, reps_full, reps_short = CASES[name]
+        reps = args.reps or (reps_short if args.short else reps_full)
+        results.append(run_case(name, overrides, devices or args.devices, steps, reps,
+                                args.strategy))
+
+    rows = [("case", "model", "devices", "spmd ms/step (median [IQR])", "plain ms/step",
+             "ratio (paired)", "added us/step (paired)", "XLA GFLOP spmd/plain")]
+    for r in results:
+        s, p, q, d = r["spmd_ms"], r["plain_ms"], r["paired_ratio"], r["added_us"]
+        rows.append((
+            r["case"], r["model"], str(r["devices"]),
+            f"{s['median']:.3f} [{s['q1']:.3f}-{s['q3']:.3f}]",
+            f"{p['median']:.3f} [{p['q1']:.3f}-{p['q3']:.3f}]",
+            f"{q['median']:.3f} [{q['q1']:.3f}-{q['q3']:.3f}]",
+            f"{d['median']:+.1f} [{d['q1']:+.1f}..{d['q3']:+.1f}]",
+            f"{r['programs']['spmd']['xla_flops'] / 1e9:.4f}/"
+            f"{r['programs']['plain']['xla_flops'] / 1e9:.4f}",
+        ))
+    info = machine()
+    print(f"step overhead ({mode}), strategy {args.strategy}, median per-step times over "
+          f"interleaved repetitions; {info.get('cpu')}, {info.get('cores')} cores, "
+          f"load {info.get('loadavg_1m')}")
+    print(table(rows))
+    verdict = None
+    compute = next((r for r in results if r["case"] == "compute"), None)
+    if compute is not None:
+        slow = compute["spmd_ms"]["median"]
+        if not args.short:
+            ratio = compute["paired_ratio"]["median"]
+            lo, hi = compute["paired_ratio_ci95"]
+            verdict = "PASS" if ratio <= TARGET_RATIO else "FAIL"
+            note = "" if slow >= 20 else f"; but the step is only {slow:.1f} ms, below 20 ms"
+            if lo <= TARGET_RATIO < hi:
+                note += "; the 95% CI straddles the target: too noisy to be sure, rerun idle"
+            print(f"{verdict}: compute-bound median paired ratio {ratio:.3f} (95% CI "
+                  f"{lo:.3f}-{hi:.3f}) vs target <= {TARGET_RATIO}{note}")
+        else:
+            print("short mode: timings are a smoke test, no target is checked")
+    print(json_line({"benchmark": "step_overhead", "mode": mode, "verdict": verdict,
+                     "target_ratio": TARGET_RATIO, "machine": info, "results": results}))
+    return 1 if verdict == "FAIL" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""`spmd plan`: ahead-of-time memory/FLOPs/collectives, checked against a real run."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from conftest import REPO, run_spmd
+from spmd.config import load_config
+from spmd.mesh import build_mesh
+from spmd.plan import collectives_from_hlo, make_plan
+from spmd.runtime import build_runtime
+
+CONFIG = REPO / "configs" / "transformer_tiny.yaml"
+
+def device0_bytes(arrays) -> int:
+    device = jax.devices()[0]
+    return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == device)
+
+
+def test_plan_memory_matches_a_measured_run():
+    """One real fsdp step on 8 devices: what device 0 then holds is the plan's resident bytes."""
+    cfg = load_config(CONFIG, ["mesh.strategy=fsdp"])
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    plan = make_plan(cfg, rt.mesh, runtime=rt)
+
+    before = jax.live_arrays()          # held, so nothing of other tests is counted as new
+    known = {id(a) for a in before}
+    state = rt.init()
+    batch = rt.feed.global_batch(rt.task.train_source(), 0)
+    state, metrics = rt.train_step(state, batch)
+    jax.block_until_ready((state, metrics))
+    new = [a for a in jax.live_arrays() if id(a) not in known]
+    live = device0_bytes(new)           # state after the step + batch + metrics
+
+    # From the shardings: exact.
+    assert plan.param_bytes == device0_bytes(jax.tree.leaves(state["params"]))
+    assert plan.optimizer_bytes == device0_bytes(jax.tree.leaves(state["opt_state"]))
+    assert plan.param_bytes == rt.model.report.bytes_per_device
+    # From the compiled executable (arguments + outputs - donated aliases): within 10%.
+    assert abs(plan.resident_bytes - live) <= 0.10 * live, (plan.resident_bytes, live)
+    assert plan.alias_bytes >= plan.state_bytes        # donation: new state reuses the old
+    assert plan.peak_bytes > plan.resident_bytes
+    del before
+
+
+def test_plan_in_process_fsdp_tp_reports_everything():
+    cfg = load_config(CONFIG, ["mesh.strategy=fsdp_tp"])
+    plan = make_plan(cfg, build_mesh(cfg.mesh, jax.devices()), config_name="tiny")
+    assert plan.num_devices == 8 and plan.mesh["fsdp"] == 4 and plan.mesh["tensor"] == 2
+    ops = {c.op: c for c in plan.collectives}
+    assert {"all-reduce", "all-gather"} <= set(ops)
+    assert all(c.count > 0 and c.bytes > 0 for c in plan.collectives)
+    # XLA's count and the PaLM formula agree to a few percent on this model.
+    assert plan.flops_compiled == pytest.approx(plan.flops_analytic, rel=0.10)
+    assert plan.fits
+    text = plan.as_text()
+    for needle in ("parameters", "optimizer state", "temporary", "peak", "all-gather", "fits"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("devices,overrides", [
+    (64, ["mesh.strategy=fsdp", "train.batch_size=64"]),
+    (512, ["mesh.strategy=dp", "train.batch_size=512"]),
+])
+def test_plan_many_devices(devices, overrides):
+    proc = run_spmd("plan", str(CONFIG), "--devices", str(devices), *overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert f"({devices} devices;" in proc.stdout
+    assert "fits" in proc.stdout and "all-reduce" in proc.stdout
+
+
+def test_plan_that_does_not_fit_exits_nonzero_with_the_numbers():
+    big = ["model.d_model=8192", "model.d_ff=32768", "model.num_heads=64"]
+    proc = run_spmd("plan", str(CONFIG), "--devices", "8", "--system", "summit", "--json", *big)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert not report["fits"] and report["available_bytes"] == int(16 * 2**30 * 0.9)
+    assert report["over_bytes"] == report["peak_bytes"] - report["available_bytes"] > 0
+    assert "does not fit summit" in proc.stderr and "over by" in proc.stderr
+    assert "GiB available" in proc.stderr
+
+
+def test_plan_unknown_system_is_a_user_error():
+    proc = run_spmd("plan", str(CONFIG), "--devices", "8", "--system", "nosuch")
+    assert proc.returncode == 2
+    assert "unknown system 'nosuch'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+HLO = "\n".join([
+    "ENTRY %main {",
+    "  %p = f32[1024]{0} parameter(0)",
+    "  %all-reduce.1 = (f32[], f32[256,64]{1,0}) all-reduce(%a, %b), channel_id=1, "
+    "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, to_apply=%add",
+    "  %all-gather-start = (bf16[8]{0}, bf16[64]{0}) all-gather-start(%p), channel_id=2, "
+    "replica_groups=[1,8]<=[8], dimensions={0}",
+    "  %all-gather-done = bf16[64]{0} all-gather-done(%all-gather-start)",
+    "  %reduce-scatter.3 = f32[16]{0} reduce-scatter(%p), replica_groups={{0,1},{2,3}}, "
+    "dimensions={0}",
+    "  %collective-permute.4 = s32[4,32]{1,0} collective-permute(%p), "
+    "source_target_pairs={{0,1},{1,0}}",
+    "  ROOT %all-to-all.5 = (f32[2,8]{1,0}, f32[2,8]{1,0}) all-to-all(%x, %y), replica_groups={}",
+    "}",
+])
+
+
+def test_collectives_from_hlo_counts_and_sizes():
+    ops = {c.op: c for c in collectives_from_hlo(HLO, num_devices=8)}
+    assert ops["all-reduce"].count == 1 and ops["all-reduce"].bytes == 4 + 256 * 64 * 4
+    assert ops["all-reduce"].group_sizes == [4]
+    assert ops["all-gather"].count == 1 and ops["all-gather"].bytes == 128  # the -done result
+    assert ops["all-gather"].group_sizes == [8]
+    assert ops["all-gather"].traffic_bytes == 128 * 7 // 8
+    assert ops["reduce-scatter"].bytes == 64 and ops["reduce-scatter"].group_sizes == [2]
+    assert ops["collective-permute"].bytes == 4 * 32 * 4
+    assert ops["all-to-all"].bytes == 2 * 64 and ops["all-to-all"].group_sizes == [8]
