@@ -122,6 +122,7 @@ class CheckpointConfig(_Section):
     partner: bool | None = None             # None = on when there is more than one node
     async_: bool = Field(True, alias="async")
     timeout_s: float = Field(600.0, gt=0)
+    compress: bool = False                  # zstd in the persistent tier (Orbax's default: on)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

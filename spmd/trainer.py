@@ -66,7 +66,7 @@ def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
     rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank), task)
     mesh_desc = {k: v for k, v in rt.mesh.shape.items() if v > 1}
     log.info("mesh %s over %d devices, %d processes; params %s B total, %s B per device",
-             mesh_desc or "1 device", rt.mesh.size, env.size,
+             mesh_desc or "(all axes 1)", rt.mesh.size, env.size,
              f"{rt.model.report.total_bytes:,}", f"{rt.model.report.bytes_per_device:,}")
 
     ckpt = make_checkpointer(cfg, env, rt.mesh, events)
@@ -92,7 +92,17 @@ def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
     source = rt.task.train_source()
     batch = cfg.train.batch_size
     units = rt.task.tokens_per_example()
+
+    def run_eval(done: int, params) -> None:
+        """Evaluate the params after `done` updates (eval records' `step` counts updates)."""
+        sample_path = run_dir / "eval_sample.npz" if is_main else None
+        record = {"step": done, **evaluate(rt, params, sample_path)}
+        metrics_log.write(record)
+        events.emit("evaluated", **record)
+
     try:
+        if rt.eval_step is not None and start == 0:
+            run_eval(0, state["params"])  # the baseline every later evaluation is compared with
         train_step = compile_train_step(rt, events)
         last_time, last_step = time.perf_counter(), start
         for step in range(start, total):
@@ -113,12 +123,8 @@ def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
                 metrics_log.write(record)
                 progress.update(done, record["loss"], record["samples_per_s"],
                                 step_time * (total - done))
-            if rt.eval_step is not None and cfg.train.eval_every and (
-                    done % cfg.train.eval_every == 0 or done == total):
-                sample_path = run_dir / "eval_sample.npz" if is_main else None
-                eval_record = {"step": step, **evaluate(rt, state["params"], sample_path)}
-                metrics_log.write(eval_record)
-                events.emit("evaluated", **eval_record)
+            if rt.eval_step is not None and (done % cfg.train.eval_every == 0 or done == total):
+                run_eval(done, state["params"])
                 last_time = time.perf_counter()  # evaluation is not step time
             ckpt.maybe_save(done, state)
             if watcher.should_stop(done):
