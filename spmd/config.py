@@ -24,6 +24,7 @@ class RunConfig(_Section):
     dir: Path = Path("runs/default")
     log_every: int = Field(1, ge=1)
     progress: bool = True
+    plots: bool = True        # rank 0 writes run.dir/plots/*.png when training ends
 
 
 class TransformerConfig(_Section):

@@ -136,6 +136,11 @@ def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
         ckpt.maybe_save(total, state, force=True)
         ckpt.close()
         events.emit("finished", step=total)
+        if is_main and cfg.run.plots:
+            metrics_log.close()
+            from spmd.plots import make_plots
+
+            events.emit("plotted", files=[p.name for p in make_plots(run_dir)])
         return 0
     finally:
         progress.close()

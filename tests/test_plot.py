@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import run_spmd
-from spmd.commands.plot import make_plots, read_metrics
 from spmd.commands.plot import run as plot_run
 from spmd.errors import SpmdError
+from spmd.plots import make_plots, read_metrics
 
 
 def fake_run(run_dir, steps=40, resumed_at=None):
