@@ -1,0 +1,1 @@
+"""Batch-script templates (Jinja2), one per scheduler; rendered by `spmd jobscript`."""
