@@ -44,7 +44,7 @@ def test_single_process_trains_evaluates_and_plots(single):
     assert "making" in result.stderr
     train, evals = read(run_dir)
     assert [r["step"] for r in train] == list(range(STEPS))
-    assert [r["step"] for r in evals] == [1, 3, 5]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6]  # after 0, 2, 4 and 6 updates
     assert all(np.isfinite(r["test_rel_l2"]) and r["test_rel_l2"] > 0 for r in evals)
     with np.load(run_dir / "eval_sample.npz") as sample:
         assert set(sample.files) == {"input", "truth", "prediction", "error"}

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from spmd.errors import SpmdError
+
+
+class CheckpointError(SpmdError):
+    """A save or restore that failed; the message names the rank(s), step and path."""
+
 
 @dataclass(frozen=True)
 class Restored:

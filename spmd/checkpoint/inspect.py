@@ -1,0 +1,147 @@
+"""Read-only views of both tiers for `spmd ckpt ls` and `spmd ckpt verify` (no JAX needed)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from spmd.checkpoint.files import ChecksumError, crc32, hex32, read_json, tree_size
+from spmd.checkpoint.local import DATA, INDEX, MARKER
+from spmd.checkpoint.persistent import MANIFEST, read_manifest, verify_files
+
+_RANK = re.compile(r"^rank(\d+)(\.tmp)?$")
+_ORBAX_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+@dataclass
+class RankCopy:
+    rank: int
+    state: str                  # committed | written (no marker) | partial (tmp dir)
+    bytes: int
+    partners: list[int] = field(default_factory=list)   # ranks whose copies it holds
+
+
+@dataclass
+class LocalStep:
+    step: int
+    ranks: list[RankCopy]
+    num_processes: int | None
+    committed: bool             # every rank restorable from an own or partner copy
+
+
+@dataclass
+class PersistentStep:
+    step: int
+    state: str                  # committed | unverified (no manifest) | partial (Orbax tmp)
+    bytes: int
+    files: int
+
+
+def scan_local(root: Path) -> list[LocalStep]:
+    out = []
+    if not root.is_dir():
+        return out
+    for step_dir in sorted((p for p in root.iterdir() if p.name.isdigit() and p.is_dir()),
+                           key=lambda p: int(p.name)):
+        copies, nprocs = [], None
+        for d in sorted(step_dir.iterdir()):
+            m = _RANK.match(d.name)
+            if not m or not d.is_dir():
+                continue
+            rank = int(m.group(1))
+            marker = None
+            if not m.group(2) and (d / MARKER).is_file():
+                try:
+                    marker = read_json(d / MARKER)
+                except (OSError, ChecksumError):
+                    marker = None
+            state = "partial" if m.group(2) else "committed" if marker else "written"
+            partners = list(marker.get("partners", [])) if marker else []
+            if marker:
+                nprocs = marker.get("num_processes", nprocs)
+            copies.append(RankCopy(rank, state, tree_size(d), partners))
+        have = {c.rank for c in copies if c.state == "committed"}
+        have |= {q for c in copies if c.state == "committed" for q in c.partners}
+        committed = nprocs is not None and all(r in have for r in range(nprocs))
+        out.append(LocalStep(int(step_dir.name), copies, nprocs, committed))
+    return out
+
+
+def scan_persistent(root: Path) -> list[PersistentStep]:
+    out = []
+    if not root.is_dir():
+        return out
+    for d in root.iterdir():
+        if not d.is_dir():
+            continue
+        tmp = _ORBAX_TMP.match(d.name)
+        if tmp:
+            out.append(PersistentStep(int(tmp.group(1)), "partial", tree_size(d), 0))
+        elif d.name.isdigit():
+            m = read_manifest(d)
+            files = len(m["files"]) if m else sum(1 for p in d.rglob("*") if p.is_file())
+            out.append(PersistentStep(int(d.name), "committed" if m else "unverified",
+                                      tree_size(d), files))
+    return sorted(out, key=lambda s: (s.step, s.state))
+
+
+def verify_local(root: Path) -> tuple[list[str], int]:
+    """(problems naming files, number of files checked) for every committed rank copy."""
+    problems, checked = [], 0
+    for step in scan_local(root):
+        for c in step.ranks:
+            if c.state != "committed":
+                continue
+            d = root / str(step.step) / f"rank{c.rank:05d}"
+            try:
+                marker = read_json(d / MARKER)
+            except (OSError, ChecksumError) as e:
+                problems.append(f"{d / MARKER}: unreadable ({e})")
+                continue
+            pairs = [(INDEX, DATA)] + [(f"partner-rank{q:05d}.json", f"partner-rank{q:05d}.bin")
+                                       for q in marker.get("partners", [])]
+            for index_name, data_name in pairs:
+                checked += 2
+                problems += _verify_blob(d / index_name, d / data_name,
+                                         marker.get("files", {}).get(index_name))
+    return problems, checked
+
+
+def _verify_blob(index_path: Path, data_path: Path, index_crc: str | None) -> list[str]:
+    try:
+        index = read_json(index_path, index_crc)
+    except FileNotFoundError:
+        return [f"{index_path}: missing"]
+    except (OSError, ChecksumError) as e:
+        return [str(e) if isinstance(e, ChecksumError) else f"{index_path}: {e}"]
+    try:
+        blob = data_path.read_bytes()
+    except OSError as e:
+        return [f"{data_path}: cannot be read ({e.strerror or e})"]
+    if len(blob) != index["nbytes"]:
+        return [f"{data_path}: {len(blob)} bytes, the index says {index['nbytes']}"]
+    view = memoryview(blob)
+    bad = [p for p in index["pieces"]
+           if hex32(crc32(view[p["offset"]:p["offset"] + p["nbytes"]])) != p["crc32"]]
+    return [f"{data_path}: {len(bad)} of {len(index['pieces'])} pieces fail their crc32 "
+            f"(first: {bad[0]['path']} at offset {bad[0]['offset']})"] if bad else []
+
+
+def verify_persistent(root: Path) -> tuple[list[str], int]:
+    problems, checked = [], 0
+    for step in scan_persistent(root):
+        if step.state != "committed":
+            continue
+        d = root / str(step.step)
+        manifest = read_manifest(d)
+        if manifest is None:
+            problems.append(f"{d / MANIFEST}: unreadable")
+            continue
+        checked += len(manifest["files"])
+        problems += verify_files(d, manifest, 0, 1)
+    return problems, checked
+
+
+def as_dict(obj: object) -> dict:
+    return asdict(obj)  # type: ignore[call-overload]

@@ -1,0 +1,239 @@
+"""The persistent tier: a global Orbax checkpoint per step, plus our own checksum manifest.
+
+Orbax (CheckpointManager, StandardSave/StandardRestore) writes a reshardable checkpoint that
+restores onto any mesh and process count. It does not checksum data, so after Orbax has
+finalized a step every process crc32s the files it wrote (`ocdbt.process_<i>/`,
+`array_metadatas/process_<i>`; rank 0 the rest), rank 0 gathers them and writes
+`<step>/spmd_manifest.json`. A step counts as committed only when that manifest exists:
+a step Orbax finalized but we could not vouch for is neither restored nor counted by
+retention, so it never pushes out the newest step we can vouch for.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spmd.checkpoint.api import CheckpointError
+from spmd.checkpoint.coord import Coordinator
+from spmd.checkpoint.files import (
+    ChecksumError,
+    crc32_file,
+    files_under,
+    fsync_dir,
+    hex32,
+    read_json,
+    write_json_atomic,
+)
+from spmd.checkpoint.layout import parallel_map
+
+log = logging.getLogger("spmd.checkpoint")
+
+MANIFEST = "spmd_manifest.json"
+FORMAT = "spmd-persistent/1"
+_OWNER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
+
+
+def file_owner(rel: str) -> int:
+    """The process that wrote a file of an Orbax step (process-named dirs), else 0."""
+    m = _OWNER.search(rel)
+    return int(m.group(1)) if m else 0
+
+
+def checksum_files(step_dir: Path, rank: int, size: int, fsync: bool = True) -> dict[str, dict]:
+    """{relative path: {nbytes, crc32}} of the files of `step_dir` this rank wrote.
+
+    Also fsyncs them and their directories (Orbax renames without an fsync), so that the
+    manifest, written afterwards, never vouches for data that is still only in page cache.
+    """
+    mine = []
+    for path in files_under(step_dir):
+        rel = path.relative_to(step_dir).as_posix()
+        if rel == MANIFEST or rel.startswith("."):
+            continue
+        owner = file_owner(rel)
+        if (owner if owner < size else 0) == rank:
+            mine.append((rel, path))
+    sums = parallel_map(lambda item: crc32_file(item[1], fsync=fsync), mine)
+    out = {rel: {"nbytes": n, "crc32": hex32(value)} for (rel, _), (value, n) in zip(mine, sums)}
+    dirs = {path.parent for _, path in mine}
+    if fsync:
+        for d in sorted(dirs | {step_dir, step_dir.parent}):
+            fsync_dir(d)
+    return out
+
+
+def verify_files(step_dir: Path, manifest: dict, rank: int, size: int) -> list[str]:
+    """Recheck this rank's share (every size-th file) of a manifest; problems, naming files."""
+    share = [(rel, want) for i, (rel, want) in enumerate(sorted(manifest["files"].items()))
+             if i % size == rank]
+
+    def check(item: tuple[str, dict]) -> str | None:
+        rel, want = item
+        path = step_dir / rel
+        try:
+            value, n = crc32_file(path)
+        except OSError as e:
+            return f"{path}: cannot be read ({e.strerror or e})"
+        if n != want["nbytes"] or hex32(value) != want["crc32"]:
+            return (f"{path}: crc32 {hex32(value)} over {n} bytes, the manifest says "
+                    f"{want['crc32']} over {want['nbytes']} bytes")
+        return None
+
+    return [p for p in parallel_map(check, share) if p is not None]
+
+
+
+
+
+def read_manifest(step_dir: Path) -> dict | None:
+    try:
+        m = read_json(step_dir / MANIFEST)
+    except (OSError, ChecksumError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == FORMAT else None
+
+
+@dataclass
+class VerifiedLatestN:
+    """Orbax preservation policy: keep the newest `n` steps that have our manifest.
+
+    Steps newer than the newest verified one (a save in flight) are kept too; older
+    unverified steps (Orbax finalized, manifest never written) are not.
+    """
+
+    n: int
+    root: Path
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        verified = [(self.root / str(c.step) / MANIFEST).is_file() for c in checkpoints]
+        good = [c.step for c, v in zip(checkpoints, verified) if v]
+        keep = set(good[-self.n:]) if good else set()
+        newest = good[-1] if good else -1
+        return [c.step in keep or c.step > newest for c in checkpoints]
+
+
+class PersistentTier:
+    """One Orbax CheckpointManager plus manifests; every rank holds one."""
+
+    def __init__(self, root: Path, rank: int, size: int, every: int, keep: int,
+                 timeout_s: float, use_async: bool, coord: Coordinator, compress: bool = False):
+        import orbax.checkpoint as ocp
+
+        self.root, self.rank, self.size, self.coord = root, rank, size, coord
+        self._ocp, self.compress = ocp, compress
+        # StandardCheckpointHandler always compresses (zstd); weights barely compress (~8%)
+        # and zstd costs far more CPU time than the bytes it saves cost on a parallel file
+        # system, so by default the same PyTree format goes through the handler that can
+        # switch compression off. Either way the files restore with either handler.
+        handler = (ocp.StandardCheckpointHandler() if compress
+                   else ocp.PyTreeCheckpointHandler(use_compression=False))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=use_async,
+            async_options=ocp.options.AsyncOptions(timeout_secs=max(1, int(timeout_s)),
+                                                   create_directories_asynchronously=False),
+            preservation_policy=VerifiedLatestN(keep, root),
+            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(max(every, 1)),
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        try:
+            self.manager = ocp.CheckpointManager(root, options=options, item_handlers=handler)
+        except Exception as e:
+            raise CheckpointError(f"rank {rank}: cannot open the persistent tier at {root} "
+                                  f"(checkpoint.persistent_dir): {type(e).__name__}: {e}") from e
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / str(step)
+
+    def orbax_steps(self, reload: bool = False) -> list[int]:
+        """Steps Orbax finalized (`reload`: rescan the directory, this rank only)."""
+        if reload:
+            self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def committed_steps(self, reload: bool = False) -> list[int]:
+        return [s for s in self.orbax_steps(reload)
+                if read_manifest(self.step_dir(s)) is not None]
+
+    def due(self, step: int) -> bool:
+        return bool(self.manager.should_save(step))
+
+    def start_save(self, step: int, state: Any) -> None:
+        """Blocking part (device-to-host copy); the writes go on in Orbax's threads."""
+        if step in self.manager.all_steps():
+            self.delete(step)  # unverified leftover of an earlier incarnation
+        args = self._ocp.args
+        self.manager.save(step, args=args.StandardSave(state) if self.compress
+                          else args.PyTreeSave(state), force=True)
+
+    def finish_save(self, step: int) -> dict:
+        """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0)."""
+        t0 = time.perf_counter()
+        where = self.step_dir(step)
+        orbax_s = 0.0
+        try:
+            self.manager.wait_until_finished()
+            orbax_s = time.perf_counter() - t0
+            if not where.is_dir():
+                raise FileNotFoundError(f"{where} is missing after Orbax finished the save")
+            files = checksum_files(where, self.rank, self.size)
+            vote = {"ok": True, "files": files}
+        except Exception as e:
+            vote = {"ok": False, "error": f"rank {self.rank}: persistent save of step {step} to "
+                                          f"{where} failed: {type(e).__name__}: {e}"}
+        decision = self.coord.agree(f"finish the persistent save of step {step}", vote,
+                                    lambda votes: _write_manifest(where, step, votes, self.size))
+        if decision["ok"]:
+            decision["seconds"] = time.perf_counter() - t0
+            decision["orbax_s"] = orbax_s  # this rank's wait for Orbax; the rest: our manifest
+        return decision
+
+    def verify(self, step: int) -> list[str]:
+        """This rank's share of the manifest check of `step` (all ranks together check all)."""
+        manifest = read_manifest(self.step_dir(step))
+        if manifest is None:
+            return [f"{self.step_dir(step) / MANIFEST}: missing or unreadable"]
+        return verify_files(self.step_dir(step), manifest, self.rank, self.size)
+
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """Onto `abstract_state`'s shardings: any mesh, any process count."""
+        ocp = self._ocp
+        if self.compress:
+            return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        return self.manager.restore(step, args=ocp.args.PyTreeRestore(
+            item=abstract_state, restore_args=restore_args))
+
+    def delete(self, step: int) -> None:
+        """Collective: every rank calls it."""
+        self.manager.delete(step)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int) -> dict:
+    errors = [v["error"] for v in votes if not v.get("ok")]
+    if errors:
+        return {"ok": False, "errors": errors}
+    files: dict[str, dict] = {}
+    for v in votes:
+        files.update(v["files"])
+    nbytes = sum(f["nbytes"] for f in files.values())
+    try:
+        write_json_atomic(step_dir / MANIFEST, {
+            "format": FORMAT, "step": step, "num_processes": size, "files": files,
+            "nbytes": nbytes, "time": time.time()})
+    except OSError as e:
+        return {"ok": False, "errors": [f"rank 0: writing {step_dir / MANIFEST} failed: {e}"]}
+    return {"ok": True, "bytes": nbytes, "files": len(files)}
+
+
+def persistent_error(decision: dict, step: int) -> CheckpointError:
+    return CheckpointError(f"step {step} was not committed to the persistent tier: "
+                           + "; ".join(decision.get("errors") or [decision.get("error", "?")]))

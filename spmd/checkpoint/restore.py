@@ -1,0 +1,243 @@
+"""Restore planning: the newest step every rank can restore, from the nearest intact copy.
+
+Every rank reports the committed local copies it has (its own, and those it holds for partner
+ranks) whose layout matches this run; rank 0 adds the persistent steps and picks the newest
+step for which every rank has a source: own copy, else the partner's copy, else (for the
+whole job) the persistent tier. Every chosen source is checksum-verified before use; a bad
+one is reported (naming the file), struck off, and rank 0 plans again. All ranks act on rank
+0's plan, so they always agree on the step and the sources.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd.checkpoint.api import CheckpointError, Restored
+from spmd.checkpoint.coord import Coordinator
+from spmd.checkpoint.layout import PieceId, SaveLayout, assemble
+from spmd.checkpoint.local import LocalCopy, LocalTier
+from spmd.checkpoint.persistent import PersistentTier
+from spmd.checkpoint.transport import CollectSink, Incoming, Outgoing, Transport
+
+log = logging.getLogger("spmd.checkpoint")
+
+RESTORE_TAG = (1 << 22) - 8
+
+
+@dataclass
+class Planner:
+    """Rank 0's bookkeeping across planning rounds."""
+
+    size: int
+    votes: list[dict] = field(default_factory=list)
+    bad: set = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+
+    def plan(self) -> dict:
+        own = [set(v.get("own", [])) for v in self.votes]
+        held: dict[tuple[int, int], int] = {}
+        for h, v in enumerate(self.votes):
+            for step, q in v.get("held", []):
+                held.setdefault((step, q), h)
+        persistent = set(self.votes[0].get("persistent", []))
+        steps = sorted({s for o in own for s in o} | {s for s, _ in held} | persistent,
+                       reverse=True)
+        for s in steps:
+            servers = {}
+            for q in range(self.size):
+                if s in own[q] and ("own", s, q) not in self.bad:
+                    servers[q] = q
+                elif (s, q) in held and ("held", s, q) not in self.bad:
+                    servers[q] = held[(s, q)]
+                else:
+                    break
+            else:
+                return {"tier": "local", "step": s, "servers": servers}
+            if s in persistent and ("persistent", s, -1) not in self.bad:
+                return {"tier": "persistent", "step": s}
+        return {"tier": None}
+
+    def decide_round(self, votes: list[dict]) -> dict:
+        """After a round of checks: ok, or strike off what failed and plan again."""
+        reports = [b for v in votes for b in v.get("bad", [])]
+        if not reports:
+            return {"ok": True}
+        for kind, step, owner, message in reports:
+            self.bad.add((kind, step, owner))
+            self.problems.append(message)
+        return {"ok": False, "problems": [r[3] for r in reports], "plan": self.plan()}
+
+
+@dataclass
+class RestoreContext:
+    rank: int
+    size: int
+    coord: Coordinator
+    layout: SaveLayout
+    local: LocalTier | None
+    persistent: PersistentTier | None
+    transport: Transport | None
+    emit: Callable[..., None]
+
+
+def restore(ctx: RestoreContext, abstract_state: Any) -> Restored | None:
+    """Collective: every rank calls it; all return the same step (or None)."""
+    own: dict[int, LocalCopy] = {}
+    held: dict[tuple[int, int], LocalCopy] = {}
+    vote: dict[str, Any] = {"own": [], "held": []}
+    if ctx.local is not None:
+        own, held, notes = ctx.local.copies(ctx.layout.signature)
+        if ctx.transport is None and ctx.size > 1:
+            held = {}  # a partner copy cannot be fetched without MPI
+        vote = {"own": sorted(own), "held": sorted(held), "notes": notes}
+        for note in notes:
+            log.info("local checkpoint skipped: %s", note)
+    if ctx.rank == 0 and ctx.persistent is not None:
+        vote["persistent"] = ctx.persistent.committed_steps(reload=True)
+    planner = Planner(ctx.size)
+
+    def first(votes: list[dict]) -> dict:
+        planner.votes = votes
+        return {"ok": True, "plan": planner.plan()}
+
+    decision = ctx.coord.agree("report the checkpoints they have", vote, first)
+    plan = decision["plan"]
+    problems: list[str] = []
+    while plan["tier"] is not None:
+        step = plan["step"]
+        if plan["tier"] == "local":
+            bad, data = _load_local(ctx, plan, own, held)
+        else:
+            bad, data = _check_persistent(ctx, step), None
+        decision = ctx.coord.agree(f"check their sources for step {step}", {"bad": bad},
+                                   planner.decide_round)
+        if decision["ok"]:
+            break
+        problems += decision["problems"]
+        for p in decision["problems"]:
+            mine = p.startswith(f"rank {ctx.rank}:")
+            log.log(logging.WARNING if mine else logging.INFO, "restore: %s; falling back", p)
+        if ctx.rank == 0:
+            ctx.emit("restore_fallback", step=step, tier=plan["tier"],
+                     problems=decision["problems"], next=decision["plan"])
+        plan = decision["plan"]
+    if plan["tier"] is None:
+        if problems:
+            raise CheckpointError("no intact checkpoint left to restore; problems found: "
+                                  + "; ".join(problems))
+        return None
+    step = plan["step"]
+    treedef = jax.tree.structure(abstract_state)
+    if plan["tier"] == "local":
+        leaves = _exchange_and_assemble(ctx, plan, data, jax.tree.leaves(abstract_state))
+        state = jax.tree.unflatten(treedef, leaves)
+        servers = _servers(plan)
+        source = "local" if servers[ctx.rank] == ctx.rank else "partner"
+        partners = {q: h for q, h in servers.items() if q != h}
+        detail = f"step {step} from the local tier" + (
+            "; partner copies for " + ", ".join(f"rank {q} (held by rank {h})"
+                                                for q, h in sorted(partners.items()))
+            if partners else "")
+    else:
+        assert ctx.persistent is not None
+        try:
+            state = ctx.persistent.restore(step, abstract_state)
+        except Exception as e:
+            raise CheckpointError(
+                f"rank {ctx.rank}: restoring {ctx.persistent.step_dir(step)} onto this run's "
+                f"state failed (was it saved by a different model or config?): "
+                f"{type(e).__name__}: {str(e)[:2000]}") from e
+        source, detail = "persistent", f"step {step} from {ctx.persistent.step_dir(step)}"
+    if problems:
+        detail += "; fell back after: " + "; ".join(problems)
+    return Restored(step=step, state=state, source=source, detail=detail)
+
+
+def _servers(plan: dict) -> dict[int, int]:
+    return {int(q): int(h) for q, h in plan["servers"].items()}
+
+
+def _load_local(ctx: RestoreContext, plan: dict, own: dict[int, LocalCopy],
+                held: dict[tuple[int, int], LocalCopy]) -> tuple[list, dict]:
+    """Load and verify every copy this rank serves; report the bad ones."""
+    assert ctx.local is not None
+    step, servers = plan["step"], _servers(plan)
+    bad, data = [], {}
+    for q, h in servers.items():
+        if h != ctx.rank:
+            continue
+        kind, copy = ("own", own.get(step)) if q == ctx.rank else ("held", held.get((step, q)))
+        try:
+            if copy is None:
+                raise CheckpointError(f"rank {ctx.rank} has no committed copy of rank {q}")
+            pieces = ctx.local.load(copy, ctx.layout)
+            expected = {(p.leaf, p.key) for p in ctx.layout.writes(q)}
+            missing = expected - set(pieces)
+            if missing:
+                raise CheckpointError(f"{copy.index}: {len(missing)} expected pieces missing")
+            data[q] = pieces
+        except Exception as e:
+            what = "own copy" if q == ctx.rank else f"partner copy of rank {q}"
+            bad.append([kind, step, q, f"rank {ctx.rank}: step {step} {what}: {e}"])
+    return bad, data
+
+
+def _check_persistent(ctx: RestoreContext, step: int) -> list:
+    assert ctx.persistent is not None
+    try:
+        problems = ctx.persistent.verify(step)
+    except Exception as e:
+        problems = [f"{ctx.persistent.step_dir(step)}: {e}"]
+    return [["persistent", step, -1, f"rank {ctx.rank}: persistent step {step}: {p}"]
+            for p in problems]
+
+
+def _exchange_and_assemble(ctx: RestoreContext, plan: dict, data: dict[int, dict],
+                           abstract_leaves: list) -> list[jax.Array]:
+    """Send every rank the pieces it needs from the copies this rank serves; build arrays."""
+    layout, me, servers = ctx.layout, ctx.rank, _servers(plan)
+    mine: dict[PieceId, np.ndarray] = {}
+    wanted: dict[int, list[PieceId]] = {}  # server -> pieces I receive from it
+    for pid in layout.needs(me):
+        w = layout.source_of(pid, me)
+        h = servers[w]
+        if h == me:
+            mine[pid] = data[w][pid]
+        else:
+            wanted.setdefault(h, []).append(pid)
+    sends = []
+    for r in range(ctx.size):
+        if r == me:
+            continue
+        out = [data[layout.source_of(pid, r)][pid] for pid in layout.needs(r)
+               if servers[layout.source_of(pid, r)] == me]
+        if out:
+            sends.append(Outgoing(r, {"sizes": [a.nbytes for a in out]},
+                                  [np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                                   for a in out]))
+    recvs, targets = [], {}
+    for h, pids in wanted.items():
+        arrays = [np.empty(layout.piece(pid).shape, _dtype(layout, pid)) for pid in pids]
+        targets[h] = (pids, arrays)
+        recvs.append(Incoming(h, CollectSink(arrays)))
+    if sends or recvs:
+        if ctx.transport is None:
+            raise CheckpointError(f"rank {me}: restoring step {plan['step']} needs pieces from "
+                                  "other ranks but MPI is not available")
+        ctx.transport.exchange(sends, recvs, RESTORE_TAG,
+                               f"moving restored pieces of step {plan['step']}")
+    for pids, arrays in targets.values():
+        mine.update(zip(pids, arrays))
+    return assemble(abstract_leaves, mine)
+
+
+def _dtype(layout: SaveLayout, pid: PieceId) -> np.dtype:
+    from spmd.checkpoint.layout import np_dtype
+
+    return np_dtype(layout.dtypes[pid[0]])

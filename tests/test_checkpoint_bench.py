@@ -1,0 +1,24 @@
+"""The checkpoint benchmark runs in its short mode: it must work and never fail on timing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, clean_env
+
+
+def test_checkpoint_bench_short():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_bench.py"),
+                           "--short"], capture_output=True, text=True, env=clean_env(),
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["benchmark"] == "checkpoint" and record["mode"] == "short"
+    assert record["verdict"] is None
+    for key in ("async_blocking_s", "sync_blocking_s", "persistent_blocking_s",
+                "blocking_ratio_async_over_sync", "throughput_ratio_persistent_over_raw"):
+        assert record[key]["median"] > 0, key
+    assert record["persistent_MBps"] > 0 and record["raw_MBps"] > 0
+    assert not list(REPO.glob("ckpt-bench-*")), "the benchmark left its files behind"
