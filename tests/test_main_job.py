@@ -55,6 +55,8 @@ def test_readme_main_command_in_a_fresh_clone(tmp_path):
     assert final <= initial / 2, (initial, final)  # falls by at least half
     assert final <= claimed_final * 1.5, (final, claimed_final)
     assert abs(initial - claimed_initial) <= 0.25 * claimed_initial
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+    assert any(e["event"] == "saved" and e.get("tier") == "persistent" for e in events)
     for png in ("loss.png", "test_error.png", "throughput.png", "samples.png"):
         assert (run_dir / "plots" / png).stat().st_size > 5000, png
     assert "ETA" in r.stderr or "step " in r.stderr  # rank-0 progress
