@@ -31,8 +31,6 @@ TARGET_MFU = 0.50
 # Dense bf16 peak FLOP/s by device kind (substring match, first wins).
 PEAKS = (("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12),
          ("MI300", 1307e12), ("MI250", 383e12))
-# Environment of spmd's NVIDIA profiles, for runs without --system.
-GPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90"}
 
 
 def _model(layers: int, d: int, batch: int, seq: int = 1024, vocab: int = 32768) -> list[str]:
@@ -57,13 +55,13 @@ COMMON = ["model.dtype=bfloat16", "mesh.strategy=dp", "train.warmup_steps=0"]
 
 def apply_gpu_settings(system: str | None) -> tuple[list[str], dict[str, str]]:
     """XLA flags and environment of the system profile, set before JAX starts."""
-    from spmd.systems import GPU_XLA_FLAGS, system_profile
+    from spmd.systems import GPU_XLA_FLAGS, NVIDIA_GPU_ENV, system_profile
 
     if system is not None:
         profile = system_profile(system)
         flags, env = list(profile.xla_flags), dict(profile.env)
     else:
-        flags, env = list(GPU_XLA_FLAGS), dict(GPU_ENV)
+        flags, env = list(GPU_XLA_FLAGS), dict(NVIDIA_GPU_ENV)
     existing = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = " ".join([existing, *flags]).strip()
     for key, value in env.items():

@@ -7,6 +7,7 @@ All machine-specific data lives here; `spmd jobscript` renders it into a batch s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -29,7 +30,7 @@ GPU_XLA_FLAGS = (
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
 )
 
-_NVIDIA_ENV = {
+NVIDIA_GPU_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # one work queue: keeps compute/comm overlap in order
     "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90",
 }
@@ -105,6 +106,27 @@ export CUDA_VISIBLE_DEVICES=$(( {gpus_per_node} - 1 - local_rank % {gpus_per_nod
 exec "$@"
 """
 
+_PERLMUTTER = SystemProfile(
+    name="perlmutter",
+    scheduler="slurm",
+    description="NERSC Perlmutter GPU: 4 NVIDIA A100 40 GB per node",
+    gpus_per_node=4,
+    ranks_per_node=4,
+    device_kind="NVIDIA A100-SXM4-40GB",
+    device_memory_bytes=40 * GiB,
+    cpus_per_task=32,
+    launcher=("srun -N{nodes} -n{ranks} --ntasks-per-node={ranks_per_node} "
+              "-c{cpus_per_task} --cpu-bind=cores --gpus-per-node={gpus_per_node}"),
+    account_option="--account={}",
+    queue_option="--qos={}",
+    default_queue="regular",
+    requires_account=True,
+    directives=("-C gpu", "--gpus-per-node={gpus_per_node}"),
+    xla_flags=GPU_XLA_FLAGS,
+    env=_env(NVIDIA_GPU_ENV, _SLINGSHOT_NCCL_ENV),
+)
+
+
 SYSTEMS: dict[str, SystemProfile] = {
     p.name: p
     for p in (
@@ -140,43 +162,12 @@ SYSTEMS: dict[str, SystemProfile] = {
             xla_flags=GPU_XLA_FLAGS,
             env=_env(_AMD_ENV, _SLINGSHOT_RCCL_ENV),
         ),
-        SystemProfile(
-            name="perlmutter",
-            scheduler="slurm",
-            description="NERSC Perlmutter GPU: 4 NVIDIA A100 40 GB per node",
-            gpus_per_node=4,
-            ranks_per_node=4,
-            device_kind="NVIDIA A100-SXM4-40GB",
-            device_memory_bytes=40 * GiB,
-            cpus_per_task=32,
-            launcher=("srun -N{nodes} -n{ranks} --ntasks-per-node={ranks_per_node} "
-                      "-c{cpus_per_task} --cpu-bind=cores --gpus-per-node={gpus_per_node}"),
-            account_option="--account={}",
-            queue_option="--qos={}",
-            default_queue="regular",
-            requires_account=True,
-            directives=("-C gpu", "--gpus-per-node={gpus_per_node}"),
-            xla_flags=GPU_XLA_FLAGS,
-            env=_env(_NVIDIA_ENV, _SLINGSHOT_NCCL_ENV),
-        ),
-        SystemProfile(
-            name="perlmutter-80g",
-            scheduler="slurm",
+        _PERLMUTTER,
+        dataclasses.replace(
+            _PERLMUTTER, name="perlmutter-80g",
             description="NERSC Perlmutter GPU, 80 GB nodes: 4 NVIDIA A100 80 GB per node",
-            gpus_per_node=4,
-            ranks_per_node=4,
-            device_kind="NVIDIA A100-SXM4-80GB",
-            device_memory_bytes=80 * GiB,
-            cpus_per_task=32,
-            launcher=("srun -N{nodes} -n{ranks} --ntasks-per-node={ranks_per_node} "
-                      "-c{cpus_per_task} --cpu-bind=cores --gpus-per-node={gpus_per_node}"),
-            account_option="--account={}",
-            queue_option="--qos={}",
-            default_queue="regular",
-            requires_account=True,
+            device_kind="NVIDIA A100-SXM4-80GB", device_memory_bytes=80 * GiB,
             directives=("-C gpu&hbm80g", "--gpus-per-node={gpus_per_node}"),
-            xla_flags=GPU_XLA_FLAGS,
-            env=_env(_NVIDIA_ENV, _SLINGSHOT_NCCL_ENV),
         ),
         SystemProfile(
             name="summit",
@@ -193,7 +184,7 @@ SYSTEMS: dict[str, SystemProfile] = {
             requires_account=True,
             directives=('-alloc_flags "gpumps smt1"',),
             xla_flags=GPU_XLA_FLAGS,
-            env=_env(_NVIDIA_ENV),
+            env=_env(NVIDIA_GPU_ENV),
         ),
         SystemProfile(
             name="polaris",
@@ -213,7 +204,7 @@ SYSTEMS: dict[str, SystemProfile] = {
             directives=("-l select={nodes}:system=polaris", "-l place=scatter",
                         "-l filesystems=home:eagle"),
             xla_flags=GPU_XLA_FLAGS,
-            env=_env(_NVIDIA_ENV, _SLINGSHOT_NCCL_ENV),
+            env=_env(NVIDIA_GPU_ENV, _SLINGSHOT_NCCL_ENV),
             bind_wrapper=_POLARIS_BIND,
         ),
         SystemProfile(
