@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -78,14 +77,4 @@ def state_shardings(state: nnx.State, rules: RuleTable, mesh: Mesh) -> nnx.State
         spec = logical_to_spec(axes, rules, mesh_shape, shape=value.shape, path=name)
         return variable.replace(NamedSharding(mesh, spec))
 
-    return nnx.map_state(one, state) if hasattr(nnx, "map_state") else _map_state(one, state)
-
-
-def _map_state(fn, state: nnx.State) -> nnx.State:
-    flat = [(path, fn(path, var)) for path, var in nnx.to_flat_state(state)]
-    return nnx.from_flat_state(flat)
-
-
-def tree_shardings(tree, mesh: Mesh):
-    """Shardings of a concrete tree of jax arrays (for checks and reports)."""
-    return jax.tree.map(lambda a: a.sharding, tree)
+    return nnx.map_state(one, state)

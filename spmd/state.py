@@ -73,8 +73,8 @@ class StateLayout:
 
 def state_layout(layout: ModelLayout, tx: optax.GradientTransformation, rules: RuleTable,
                  mesh: Mesh) -> StateLayout:
-    param_shardings = state_shardings(layout.abstract_params, rules, mesh).to_pure_dict()
-    abstract_params = layout.abstract_params.to_pure_dict()
+    param_shardings = nnx.to_pure_dict(state_shardings(layout.abstract_params, rules, mesh))
+    abstract_params = nnx.to_pure_dict(layout.abstract_params)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     # Optimizer moments mirror their parameter's sharding; counters etc. are replicated.
     opt_shardings = optax.tree_map_params(
@@ -103,7 +103,7 @@ def init_state_fn(task: Task, cfg: Config, tx: optax.GradientTransformation,
 
     def init() -> TrainState:
         model = task.build_model(nnx.Rngs(cfg.train.seed))
-        params = nnx.split(model, nnx.Param)[1].to_pure_dict()
+        params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
