@@ -44,6 +44,17 @@ def require(condition: bool, reason: str) -> None:
         pytest.skip(reason)
 
 
+def train_steps(rt, steps: int) -> tuple[list[float], dict]:
+    """Train a built runtime in this process for `steps` steps: (losses, final state)."""
+    state = rt.init()
+    source = rt.task.train_source()
+    losses = []
+    for step in range(steps):
+        state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

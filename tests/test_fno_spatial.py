@@ -10,6 +10,7 @@ from fno_helpers import make_tiny_dataset, tiny_config
 from jax.sharding import PartitionSpec as P
 
 import models.fno
+from conftest import train_steps
 from spmd.config import load_config
 from spmd.mesh import build_mesh
 from spmd.runtime import build_runtime
@@ -30,19 +31,9 @@ def runtime(config, devices, *overrides):
     return rt
 
 
-def train(rt):
-    state = rt.init()
-    source = rt.task.train_source()
-    losses = []
-    for step in range(STEPS):
-        state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))
-        losses.append(float(metrics["loss"]))
-    return losses, state
-
-
 @pytest.fixture(scope="module")
 def reference(config):
-    losses, _ = train(runtime(config, jax.devices()[:1]))
+    losses, _ = train_steps(runtime(config, jax.devices()[:1]), STEPS)
     return losses
 
 
@@ -70,7 +61,7 @@ def test_spatial_matches_one_device_and_splits_the_grid(config, reference, axes)
     rt = runtime(config, jax.devices(), "mesh.strategy=spatial",
                  *[f"mesh.axes.{a}" for a in axes])
     assert rt.mesh.size == 8
-    losses, state = train(rt)
+    losses, state = train_steps(rt, STEPS)
     np.testing.assert_allclose(losses, reference, rtol=1e-4)
     assert losses[-1] < losses[0]
 
@@ -95,7 +86,7 @@ def test_channel_rule_override_shards_weights_and_still_matches(config, referenc
     """mesh.rules.channels=tensor on top of `spatial`: weights split along their channels."""
     rt = runtime(config, jax.devices(), "mesh.strategy=spatial", "mesh.axes.context=4",
                  "mesh.axes.tensor=2", "mesh.rules.channels=tensor", "mesh.rules.y=null")
-    losses, state = train(rt)
+    losses, state = train_steps(rt, STEPS)
     np.testing.assert_allclose(losses, reference, rtol=1e-4)
     params = state["params"]
     spectral = params["layers"][0]["spectral"]["weight_real"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO
+from conftest import REPO, train_steps
 from sharding import activation_sharding
 from spmd.config import load_config
 from spmd.mesh import build_mesh
@@ -24,19 +24,9 @@ def make(strategy: str, devices, *overrides: str):
     return build_runtime(cfg, build_mesh(cfg.mesh, devices))
 
 
-def train_losses(rt) -> tuple[list[float], dict]:
-    state = rt.init()
-    source = rt.task.train_source()
-    losses = []
-    for step in range(STEPS):
-        state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))
-        losses.append(float(metrics["loss"]))
-    return losses, state
-
-
 @pytest.fixture(scope="module")
 def reference_losses():
-    losses, _ = train_losses(make("dp", jax.devices()[:1]))
+    losses, _ = train_steps(make("dp", jax.devices()[:1]), STEPS)
     assert losses[-1] < losses[0], "the tiny transformer should learn in 10 steps"
     return losses
 
@@ -67,7 +57,7 @@ def activations(rt, state):
 def test_preset_matches_one_device(strategy, reference_losses):
     rt = make(strategy, jax.devices())
     assert rt.mesh.size == 8
-    losses, state = train_losses(rt)
+    losses, state = train_steps(rt, STEPS)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
     params = state["params"]
