@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,16 +21,20 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.devices is not None:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
-    import jax
+        from spmd.stand_in_devices import cpu_stand_in_devices
+
+        devices = cpu_stand_in_devices(args.devices)
+    else:
+        import jax
+
+        devices = jax.devices()
 
     from sharding import rules_for
     from spmd.mesh import build_mesh
     from spmd.state import model_layout
     from spmd.tasks import make_task
 
-    mesh = build_mesh(cfg.mesh, jax.devices())
+    mesh = build_mesh(cfg.mesh, devices)
     rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
     report = model_layout(make_task(cfg), cfg.train.seed, rules, mesh).report
     print(json.dumps(report.as_json(), indent=2) if args.json else report.as_text())
