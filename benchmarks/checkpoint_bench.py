@@ -71,7 +71,7 @@ def checkpointer(root: Path, events: Events | None = None, **ck):
 
     cfg = config_from_dict({"run": {"dir": str(root)}, "checkpoint": {"keep": 1, **ck}})
     env = SimpleNamespace(rank=0, size=1, node_of_rank=(0,), num_nodes=1)
-    return make_checkpointer(cfg, env, None, events)
+    return make_checkpointer(cfg, env, events)
 
 
 def raw_write(path: Path, nbytes: int, block: bytes) -> float:

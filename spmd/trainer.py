@@ -69,7 +69,7 @@ def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
              mesh_desc or "(all axes 1)", rt.mesh.size, env.size,
              f"{rt.model.report.total_bytes:,}", f"{rt.model.report.bytes_per_device:,}")
 
-    ckpt = make_checkpointer(cfg, env, rt.mesh, events)
+    ckpt = make_checkpointer(cfg, env, events)
     restored = ckpt.restore(rt.state.abstract)
     if restored is not None:
         state, start = restored.state, restored.step

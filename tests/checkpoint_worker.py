@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
     out_path = Path(out)
     events = EventLog(out_path.with_name(out_path.stem + f".events{env.rank}.jsonl"), env.rank)
-    ckpt = make_checkpointer(cfg, env, rt.mesh, events)
+    ckpt = make_checkpointer(cfg, env, events)
     restored = ckpt.restore(rt.state.abstract)
     if restored is None:
         print(f"rank {env.rank}: nothing to restore", file=sys.stderr)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from launch import LaunchEnv
 from spmd.checkpoint.api import Checkpointer, CheckpointError, NullCheckpointer, Restored
+from spmd.config import Config
+from spmd.metrics import EventLog
 
 
-def make_checkpointer(cfg: Any, env: Any, mesh: Any, events: Any) -> Checkpointer:
+def make_checkpointer(cfg: Config, env: LaunchEnv, events: EventLog) -> Checkpointer:
     """The checkpointer for this run's config (a no-op when both tiers are off).
 
-    `mesh` is not needed: what each process saves follows from the state's own shardings.
+    No mesh is needed: what each process saves follows from the state's own shardings.
     """
     ck = cfg.checkpoint
     if ck.every == 0 and ck.persistent_every == 0:
