@@ -69,3 +69,22 @@ def test_overrides_replace_single_entries():
     assert rules.lookup("mlp") == ("tensor",)
     assert rules.lookup("vocab") == ()
     assert rules.lookup("embed") == ("fsdp",)
+
+
+def test_with_axes_annotates_flax_layers():
+    import jax
+    from flax import nnx
+
+    from sharding import resolve_params, with_axes
+    from spmd.config import MeshConfig
+    from spmd.mesh import build_mesh
+
+    def layer():
+        init = nnx.initializers.lecun_normal()
+        return nnx.Linear(64, 256, rngs=nnx.Rngs(0), kernel_init=with_axes(init, ("embed", "mlp")),
+                          bias_init=with_axes(nnx.initializers.zeros, ("mlp",)))
+
+    _, params = nnx.split(nnx.eval_shape(layer), nnx.Param)
+    mesh = build_mesh(MeshConfig(strategy="fsdp_tp"), jax.devices())
+    specs = {p.path: p.spec for p in resolve_params(params, rules_for("fsdp_tp"), mesh)}
+    assert specs == {"kernel": P("fsdp", "tensor"), "bias": P("tensor")}
