@@ -1,7 +1,7 @@
 """Process bootstrap: knows schedulers and MPI, nothing of models.
 
     env = bootstrap(init_timeout_s, heartbeat_timeout_s)   # every rank, before any JAX use
-    watcher = PreemptionWatcher.install(halt_file=run_dir / "HALT")
+    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME)
     ...
     if watcher.should_stop(step):                           # every rank, every step
         save(); sys.exit(PREEMPTED_EXIT_CODE)               # 75: the job script requeues
@@ -10,8 +10,8 @@
 from launch.bootstrap import bootstrap
 from launch.env import LaunchEnv, resolve_launch_env
 from launch.errors import LaunchError
-from launch.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
+from launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE, PreemptionWatcher
 from launch.walltime import job_end_time
 
 __all__ = ["LaunchEnv", "LaunchError", "resolve_launch_env", "bootstrap", "PreemptionWatcher",
-           "PREEMPTED_EXIT_CODE", "job_end_time"]
+           "PREEMPTED_EXIT_CODE", "HALT_FILE_NAME", "job_end_time"]

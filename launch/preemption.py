@@ -26,6 +26,8 @@ from launch.env import LaunchEnv, resolve_launch_env
 from launch.errors import LaunchError
 
 PREEMPTED_EXIT_CODE = 75
+# The halt file in run.dir: present -> all ranks stop at the next step (job scripts write it).
+HALT_FILE_NAME = "HALT"
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _DEADLINE, _HALT, _SIGNAL = 1, 2, 3  # the highest kind any rank saw names the reason
 _KIND, _SIG = 1 << 40, 1 << 32

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jobscripts
+from launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE
 from spmd.errors import SpmdError
 from spmd.systems import Scheduler, SystemProfile, system_profile
 
-PREEMPTED_EXIT_CODE = 75   # = launch.preemption.PREEMPTED_EXIT_CODE (tests check they agree)
-HALT_FILE_NAME = "HALT"    # = spmd.trainer.HALT_FILE: rank 0 stops all ranks when it exists
 FORWARD_SIGNAL = "USR2"    # what the batch shell sends the ranks (NCCL may own SIGUSR1)
 TEMPLATE_DIR = Path(jobscripts.__file__).resolve().parent
 

@@ -11,7 +11,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from launch import PREEMPTED_EXIT_CODE, LaunchEnv, PreemptionWatcher, bootstrap, job_end_time
+from launch import (
+    HALT_FILE_NAME,
+    PREEMPTED_EXIT_CODE,
+    LaunchEnv,
+    PreemptionWatcher,
+    bootstrap,
+    job_end_time,
+)
 from spmd.checkpoint import make_checkpointer
 from spmd.config import Config
 from spmd.mesh import build_mesh
@@ -20,9 +27,6 @@ from spmd.runtime import Runtime, build_runtime
 from spmd.tasks import make_task
 
 log = logging.getLogger("spmd.trainer")
-
-HALT_FILE = "HALT"
-
 
 def evaluate(rt: Runtime, params, sample_path: Path | None) -> dict[str, float]:
     """Mean of the task's eval metrics over `data.eval_batches` fixed batches.
@@ -78,7 +82,7 @@ def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
         state, start = rt.init(), 0
         events.emit("initialized", step=0)
 
-    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE,
+    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME,
                                         timeout_s=cfg.launch.barrier_timeout_s, env=env)
     end_time = job_end_time(env, os.environ)
     if end_time is not None:
