@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sharding.errors import ShardingError
 from sharding.params import ParamSharding
+from sharding.resolve import spec_is_replicated
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class ShardingReport:
     def check_replicated_fraction(self, limit: float | None) -> None:
         if limit is not None and self.replicated_fraction > limit:
             worst = sorted(
-                (p for p in self.params if all(e is None for e in p.spec)),
+                (p for p in self.params if spec_is_replicated(p.spec)),
                 key=lambda p: -p.bytes_total(),
             )[:3]
             names = ", ".join(f"{p.path} ({p.bytes_total()} B)" for p in worst)

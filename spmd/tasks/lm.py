@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -67,6 +66,3 @@ class LanguageModelTask(Task):
         attention = 12 * m.num_layers * m.d_model * m.seq_len / 2
         return float(m.seq_len * (6 * n_params + attention))
 
-
-def token_accuracy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    return jnp.mean(jnp.argmax(logits, -1) == targets)
