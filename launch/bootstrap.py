@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from launch import coordinator, devices, mpi
-from launch.env import LaunchEnv, resolve_launch_env
-from launch.errors import LaunchError
+from spmd.launch import coordinator, devices, mpi
+from spmd.launch.env import LaunchEnv, resolve_launch_env
+from spmd.launch.errors import LaunchError
 
 _current: dict[str, Any] = {}
 

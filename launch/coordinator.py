@@ -16,10 +16,10 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from launch import mpi
-from launch.env import LaunchEnv
-from launch.errors import LaunchError
-from launch.nodes import first_host
+from spmd.launch import mpi
+from spmd.launch.env import LaunchEnv
+from spmd.launch.errors import LaunchError
+from spmd.launch.nodes import first_host
 
 PORT_BASE, PORT_SPAN = 61440, 4096
 

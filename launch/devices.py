@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from launch.env import LaunchEnv
-from launch.errors import LaunchError
+from spmd.launch.env import LaunchEnv
+from spmd.launch.errors import LaunchError
 
 GPU_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launch import schedulers
-from launch.errors import LaunchError
-from launch.nodes import group_by_key, local_position
+from spmd.launch import schedulers
+from spmd.launch.errors import LaunchError
+from spmd.launch.nodes import group_by_key, local_position
 
 LAUNCHERS = ("explicit", "slurm", "flux", "jsrun", "pals", "openmpi", "hydra", "mpi4py",
              "single")
@@ -85,7 +85,7 @@ def _apply_overrides(f: schedulers.Found, v: schedulers.Vars) -> None:
 def _from_comm(f: schedulers.Found, v: schedulers.Vars, comm: Any, hostname: str,
                timeout_s: float) -> None:
     """Check the launcher against MPI, then group ranks into nodes by host (allgather)."""
-    from launch import mpi
+    from spmd.launch import mpi
 
     csize, crank = comm.Get_size(), comm.Get_rank()
     where = f"MPI COMM_WORLD ({mpi.library_name()})"

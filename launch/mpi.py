@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from launch.errors import LaunchError
+from spmd.launch.errors import LaunchError
 
 MPI_HINTS = ("PMI_RANK", "PMI_FD", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
              "MV2_COMM_WORLD_SIZE", "PALS_RANKID", "JSM_NAMESPACE_SIZE")

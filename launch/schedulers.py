@@ -10,8 +10,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from launch.errors import LaunchError
-from launch.nodes import distribute, parse_tasks_per_node
+from spmd.launch.errors import LaunchError
+from spmd.launch.nodes import distribute, parse_tasks_per_node
 
 
 @dataclass

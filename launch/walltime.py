@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from datetime import datetime
 
-from launch.env import LaunchEnv
+from spmd.launch.env import LaunchEnv
 
 TOOL_TIMEOUT_S = 5.0
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sharding import constrain, param
+from spmd.sharding import constrain, param
 
 FIELD = ("batch", "x", "y", None)          # physical fields: a few channels, never split
 HIDDEN = ("batch", "x", "y", "channels")   # lifted fields: `width` channels

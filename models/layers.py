@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sharding import param
+from spmd.sharding import param
 
 default_init = nnx.initializers.lecun_normal()
 

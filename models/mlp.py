@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import Dense, RMSNorm
-from sharding import constrain
+from spmd.models.layers import Dense, RMSNorm
+from spmd.sharding import constrain
 
 
 class MlpBlock(nnx.Module):

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import Dense, RMSNorm, default_init
-from sharding import constrain, param
+from spmd.models.layers import Dense, RMSNorm, default_init
+from spmd.sharding import constrain, param
 
 ACT = ("batch", "length", "embed")
 

@@ -1,12 +1,18 @@
 """Logical axis names -> named device mesh. Imports nothing of the rest of spmd."""
 
-from sharding.annotate import LOGICAL_AXES_KEY, activation_sharding, constrain, param, with_axes
-from sharding.axes import ACTIVATION_PREFIX, LOGICAL_AXES, MESH_AXES
-from sharding.errors import ShardingError
-from sharding.params import ParamSharding, path_str, resolve_params, state_shardings
-from sharding.report import ShardingReport
-from sharding.resolve import logical_to_spec, spec_is_replicated
-from sharding.rules import PRESETS, Preset, RuleTable, preset, rules_for
+from spmd.sharding.annotate import (
+    LOGICAL_AXES_KEY,
+    activation_sharding,
+    constrain,
+    param,
+    with_axes,
+)
+from spmd.sharding.axes import ACTIVATION_PREFIX, LOGICAL_AXES, MESH_AXES
+from spmd.sharding.errors import ShardingError
+from spmd.sharding.params import ParamSharding, path_str, resolve_params, state_shardings
+from spmd.sharding.report import ShardingReport
+from spmd.sharding.resolve import logical_to_spec, spec_is_replicated
+from spmd.sharding.rules import PRESETS, Preset, RuleTable, preset, rules_for
 
 __all__ = [
     "ACTIVATION_PREFIX", "LOGICAL_AXES", "LOGICAL_AXES_KEY", "MESH_AXES", "PRESETS",

@@ -16,8 +16,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from sharding.resolve import LogicalAxes, logical_to_spec
-from sharding.rules import RuleTable
+from spmd.sharding.resolve import LogicalAxes, logical_to_spec
+from spmd.sharding.rules import RuleTable
 
 # Metadata key on nnx.Variable. Not Flax's own `out_sharding`: Flax would treat
 # our logical names as mesh axes and shard eagerly.

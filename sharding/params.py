@@ -8,10 +8,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.annotate import LOGICAL_AXES_KEY
-from sharding.errors import ShardingError
-from sharding.resolve import logical_to_spec
-from sharding.rules import RuleTable
+from spmd.sharding.annotate import LOGICAL_AXES_KEY
+from spmd.sharding.errors import ShardingError
+from spmd.sharding.resolve import logical_to_spec
+from spmd.sharding.rules import RuleTable
 
 
 def path_str(path: tuple) -> str:

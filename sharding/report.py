@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sharding.errors import ShardingError
-from sharding.params import ParamSharding
-from sharding.resolve import spec_is_replicated
+from spmd.sharding.errors import ShardingError
+from spmd.sharding.params import ParamSharding
+from spmd.sharding.resolve import spec_is_replicated
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from sharding.axes import ACTIVATION_PREFIX
-from sharding.errors import ShardingError
-from sharding.rules import MeshAxes, RuleTable
+from spmd.sharding.axes import ACTIVATION_PREFIX
+from spmd.sharding.errors import ShardingError
+from spmd.sharding.rules import MeshAxes, RuleTable
 
 LogicalAxes = Sequence[str | None]
 

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from sharding.axes import MESH_AXES
-from sharding.errors import ShardingError
+from spmd.sharding.axes import MESH_AXES
+from spmd.sharding.errors import ShardingError
 
 MeshAxes = tuple[str, ...]
 RuleValue = str | list[str] | tuple[str, ...] | None

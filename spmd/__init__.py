@@ -1,3 +1,56 @@
-"""spmd: train large scientific models with JAX on HPC supercomputers."""
+"""spmd: train large scientific models with JAX on HPC supercomputers.
+
+The public API, for a user's own model and task:
+
+    import spmd
+    from spmd.sharding import with_axes, constrain
+
+    class MyTask(spmd.Task):
+        class Config(spmd.ModelConfig): ...
+    spmd.train("config.yaml", task=MyTask)
+
+Everything installs under this one import root (`spmd.sharding`, `spmd.launch`, `spmd.models`,
+`spmd.jobscripts`), so a user's own `models/` or `launch/` folder never shadows spmd's. Names
+below load lazily: `import spmd.launch` on a login node pulls in neither JAX nor Flax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
 
 __version__ = "0.1.0"
+
+# A source checkout keeps sharding/, launch/, models/ and jobscripts/ beside spmd/; an install
+# maps them under spmd (pyproject's package-dir). Pointing this package's path at the checkout
+# root too makes an uninstalled checkout, or a second git worktree, import its own copies.
+_ROOT = Path(__file__).resolve().parent.parent
+if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "sharding" / "__init__.py").is_file():
+    __path__.append(str(_ROOT))  # noqa: F821 (a package's __path__)
+
+_PUBLIC = {
+    "Task": "spmd.tasks.base",
+    "BatchField": "spmd.data.fields",
+    "DataSource": "spmd.data.fields",
+    "ModelConfig": "spmd.tasks.base",
+    "Config": "spmd.config",
+    "load_config": "spmd.config",
+    "Trainer": "spmd.trainer",
+    "StepInfo": "spmd.hooks",
+    "TrainState": "spmd.state",
+    "train": "spmd.api",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spmd' has no attribute '{name}'")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

@@ -34,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from launch.errors import LaunchError
-    from sharding.errors import ShardingError
     from spmd.errors import SpmdError
+    from spmd.launch.errors import LaunchError
+    from spmd.sharding.errors import ShardingError
 
     return (SpmdError, ShardingError, LaunchError)
 

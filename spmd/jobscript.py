@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jobscripts
-from launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE
+from spmd import jobscripts
 from spmd.errors import SpmdError
+from spmd.launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE
 from spmd.systems import Scheduler, SystemProfile, system_profile
 
 FORWARD_SIGNAL = "USR2"    # what the batch shell sends the ranks (NCCL may own SIGUSR1)

@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from sharding import MESH_AXES, preset
 from spmd.config import MeshConfig
 from spmd.errors import ConfigError
+from spmd.sharding import MESH_AXES, preset
 
 
 def mesh_axis_sizes(cfg: MeshConfig, num_devices: int) -> dict[str, int]:

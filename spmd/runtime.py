@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import optax
 from jax.sharding import Mesh
 
-from sharding import RuleTable, rules_for
 from spmd.config import Config
 from spmd.data.feed import BatchFeed
+from spmd.sharding import RuleTable, rules_for
 from spmd.state import (
     ModelLayout,
     StateLayout,

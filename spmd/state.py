@@ -17,8 +17,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding import RuleTable, ShardingReport, resolve_params, state_shardings
 from spmd.config import Config
+from spmd.sharding import RuleTable, ShardingReport, resolve_params, state_shardings
 from spmd.tasks.base import Task
 
 TrainState = dict[str, Any]

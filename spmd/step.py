@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from sharding import RuleTable, activation_sharding
+from spmd.sharding import RuleTable, activation_sharding
 from spmd.state import ModelLayout, StateLayout, TrainState, replicated
 from spmd.tasks.base import Task
 

@@ -11,7 +11,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from launch import (
+from spmd.checkpoint import make_checkpointer
+from spmd.config import Config
+from spmd.launch import (
     HALT_FILE_NAME,
     PREEMPTED_EXIT_CODE,
     LaunchEnv,
@@ -19,8 +21,6 @@ from launch import (
     bootstrap,
     job_end_time,
 )
-from spmd.checkpoint import make_checkpointer
-from spmd.config import Config
 from spmd.mesh import build_mesh
 from spmd.metrics import EventLog, JsonlWriter, Progress, setup_logging
 from spmd.runtime import Runtime, build_runtime

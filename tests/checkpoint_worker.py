@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
     from spmd.config import load_config
 
     cfg = load_config(config, overrides)
-    from launch import bootstrap
+    from spmd.launch import bootstrap
 
     env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                     heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)

@@ -9,11 +9,11 @@ import pytest
 from fno_helpers import GRID, make_tiny_dataset
 from jax.sharding import NamedSharding
 
-from sharding import logical_to_spec, rules_for
 from spmd.config import MeshConfig
 from spmd.data.field_source import FieldBatches
 from spmd.data.fields import field_stats, inspect_fields
 from spmd.mesh import build_mesh
+from spmd.sharding import logical_to_spec, rules_for
 
 BATCH = 8
 NUM_TRAIN = 32

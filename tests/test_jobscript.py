@@ -245,8 +245,8 @@ def test_profiles_are_complete():
 
 
 def test_constants_match_launch_and_trainer():
-    import launch
     import spmd.trainer
+    from spmd import launch
 
     assert PREEMPTED_EXIT_CODE == launch.PREEMPTED_EXIT_CODE == 75
     assert HALT_FILE_NAME == spmd.trainer.HALT_FILE_NAME == launch.HALT_FILE_NAME == "HALT"

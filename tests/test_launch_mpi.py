@@ -43,7 +43,7 @@ def test_doctor_under_mpiexec():
 MPI4PY_SCRIPT = r"""
 import json, sys
 from mpi4py import MPI
-from launch import resolve_launch_env
+from spmd.launch import resolve_launch_env
 env = resolve_launch_env({}, MPI.COMM_WORLD)  # no launcher variables: only MPI knows
 sys.stdout.write(json.dumps(env.to_dict()) + "\n")
 """
@@ -63,7 +63,7 @@ def test_mpi4py_path(tmp_path):
 
 WATCHER_SCRIPT = r"""
 import json, os, signal, sys, time
-from launch import PREEMPTED_EXIT_CODE, PreemptionWatcher, bootstrap
+from spmd.launch import PREEMPTED_EXIT_CODE, PreemptionWatcher, bootstrap
 env = bootstrap(60, 60)
 halt = os.environ.get("HALT_FILE")
 watcher = PreemptionWatcher.install(halt_file=halt, timeout_s=30)
@@ -129,7 +129,7 @@ def test_deadline_known_to_rank0_stops_all(tmp_path):
 
 HANG_SCRIPT = r"""
 import sys, time
-from launch import LaunchError, PreemptionWatcher, bootstrap
+from spmd.launch import LaunchError, PreemptionWatcher, bootstrap
 env = bootstrap(60, 60)
 watcher = PreemptionWatcher.install(timeout_s=2)
 try:

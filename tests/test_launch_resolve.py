@@ -12,7 +12,7 @@ import json
 import pytest
 
 from conftest import clean_env, run_spmd
-from launch.coordinator import derived_port
+from spmd.launch.coordinator import derived_port
 
 RANK5_OF_8 = dict(rank=5, size=8, local_rank=1, local_size=4, node_id=1, num_nodes=2,
                   node_of_rank=[0, 0, 0, 0, 1, 1, 1, 1])

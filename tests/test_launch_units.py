@@ -9,10 +9,10 @@ from datetime import datetime
 
 import pytest
 
-from launch import LaunchError, job_end_time, resolve_launch_env
-from launch.coordinator import derived_port, wait_reachable
-from launch.devices import count_visible_gpus, plan
-from launch.nodes import distribute, first_host, parse_tasks_per_node
+from spmd.launch import LaunchError, job_end_time, resolve_launch_env
+from spmd.launch.coordinator import derived_port, wait_reachable
+from spmd.launch.devices import count_visible_gpus, plan
+from spmd.launch.nodes import distribute, first_host, parse_tasks_per_node
 
 
 def test_hostlists_and_tasks_per_node():

@@ -10,10 +10,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, train_steps
-from sharding import activation_sharding
 from spmd.config import load_config
 from spmd.mesh import build_mesh
 from spmd.runtime import build_runtime
+from spmd.sharding import activation_sharding
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 10

@@ -3,7 +3,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sharding import PRESETS, ShardingError, logical_to_spec, rules_for
+from spmd.sharding import PRESETS, ShardingError, logical_to_spec, rules_for
 
 MESH = {"data": 1, "stage": 1, "fsdp": 4, "context": 1, "tensor": 2, "expert": 1}
 
@@ -75,9 +75,9 @@ def test_with_axes_annotates_flax_layers():
     import jax
     from flax import nnx
 
-    from sharding import resolve_params, with_axes
     from spmd.config import MeshConfig
     from spmd.mesh import build_mesh
+    from spmd.sharding import resolve_params, with_axes
 
     def layer():
         init = nnx.initializers.lecun_normal()

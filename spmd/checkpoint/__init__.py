@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from launch import LaunchEnv
 from spmd.checkpoint.api import Checkpointer, CheckpointError, NullCheckpointer, Restored
 from spmd.config import Config
+from spmd.launch import LaunchEnv
 from spmd.metrics import EventLog
 
 
@@ -21,7 +21,7 @@ def make_checkpointer(cfg: Config, env: LaunchEnv, events: EventLog) -> Checkpoi
     world = None
     if env.size > 1:
         try:
-            from launch import mpi
+            from spmd.launch import mpi
 
             world = mpi.world()
         except Exception:  # no usable MPI: no partner copies, agreement still works

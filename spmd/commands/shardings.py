@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
         devices = jax.devices()
 
-    from sharding import rules_for
     from spmd.mesh import build_mesh
+    from spmd.sharding import rules_for
     from spmd.state import model_layout
     from spmd.tasks import make_task
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from sharding import RuleTable, logical_to_spec
+from spmd.sharding import RuleTable, logical_to_spec
 from spmd.tasks.base import BatchField, DataSource
 
 

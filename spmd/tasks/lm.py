@@ -7,9 +7,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.transformer import TransformerLM
 from spmd.config import TransformerConfig
 from spmd.data.synthetic import ArithmeticTokens
+from spmd.models.transformer import TransformerLM
 from spmd.tasks.base import BatchField, Task
 
 EVAL_STREAM = 1

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.fno import FIELD, FNO2d
 from spmd.config import FnoConfig
 from spmd.data.darcy import make_darcy_dataset
 from spmd.data.field_source import FieldBatches
@@ -31,6 +30,7 @@ from spmd.data.fields import (
     field_stats,
     inspect_fields,
 )
+from spmd.models.fno import FIELD, FNO2d
 from spmd.tasks.base import BatchField, Task
 
 log = logging.getLogger("spmd.tasks.operator")

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.mlp import Mlp
 from spmd.config import MlpConfig
 from spmd.data.synthetic import TeacherRegression
+from spmd.models.mlp import Mlp
 from spmd.tasks.base import BatchField, Task
 
 
