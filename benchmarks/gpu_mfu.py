@@ -84,7 +84,7 @@ def choose(sizes: list[str], overrides: list[str], device, limit_fraction: float
 
     from spmd.config import load_config
     from spmd.mesh import build_mesh
-    from spmd.plan import compile_train_step, plan_from_compiled
+    from spmd.plan import plan_from_compiled
     from spmd.runtime import build_runtime
 
     stats = device.memory_stats() or {}
@@ -94,7 +94,7 @@ def choose(sizes: list[str], overrides: list[str], device, limit_fraction: float
         extra = TINY if name == "tiny" else LADDER[name]
         cfg = load_config(CONFIG, [*COMMON, *extra, *overrides])
         rt = build_runtime(cfg, build_mesh(cfg.mesh, [device]))
-        compiled, seconds = compile_train_step(rt)
+        compiled, seconds = rt.compile_train_step()
         plan = plan_from_compiled(rt, compiled, seconds, config_name=name)
         fits = limit is None or plan.peak_bytes <= limit_fraction * limit
         tried.append(f"{name}: peak {plan.peak_bytes / 2**30:.1f} GiB"

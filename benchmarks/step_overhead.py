@@ -171,13 +171,13 @@ def build_pair(overrides: list[str], strategy: str, num_devices: int):
     spmd_state = rt.init()
 
     mesh, spec_of, tx, step_fn = baseline_program(cfg, list(rt.mesh.devices.flat), strategy)
-    params = to_baseline_params(spmd_state["params"])
+    params = to_baseline_params(spmd_state.params)
     param_shardings = jax.tree_util.tree_map_with_path(
         lambda path, _: NamedSharding(mesh, spec_of(jax.tree_util.keystr(path, simple=True,
                                                                          separator="/"))),
         params)
     # The baseline's hand-written shardings must be spmd's, leaf for leaf.
-    spmd_shardings = to_baseline_params(rt.state.shardings["params"])
+    spmd_shardings = to_baseline_params(rt.state.shardings.params)
     for (path, mine), theirs, leaf in zip(jax.tree_util.tree_leaves_with_path(param_shardings),
                                           jax.tree.leaves(spmd_shardings), jax.tree.leaves(params)):
         if not mine.is_equivalent_to(theirs, leaf.ndim):

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from spmd.sharding.axes import MESH_AXES
+from spmd.sharding.axes import LOGICAL_AXES, MESH_AXES
 from spmd.sharding.errors import ShardingError
 
 MeshAxes = tuple[str, ...]
@@ -63,8 +63,7 @@ class RuleTable:
 # Every logical name replicated: the base that presets override.
 _REPLICATED: dict[str, RuleValue] = {
     name: None
-    for name in ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers",
-                 "x", "y", "z", "channels", "modes")
+    for name in LOGICAL_AXES
 }
 
 

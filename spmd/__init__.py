@@ -31,8 +31,8 @@ if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "sharding" / "__init__.py")
 
 _PUBLIC = {
     "Task": "spmd.tasks.base",
-    "BatchField": "spmd.data.fields",
-    "DataSource": "spmd.data.fields",
+    "BatchField": "spmd.data.batch",
+    "DataSource": "spmd.data.batch",
     "ModelConfig": "spmd.tasks.base",
     "Config": "spmd.config",
     "load_config": "spmd.config",

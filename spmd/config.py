@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
 from spmd.errors import ConfigError
 
@@ -27,60 +27,16 @@ class RunConfig(_Section):
     plots: bool = True        # rank 0 writes run.dir/plots/*.png when training ends
 
 
-class TransformerConfig(_Section):
-    name: Literal["transformer"] = "transformer"
-    num_layers: int = Field(2, ge=1)
-    d_model: int = Field(64, ge=1)
-    num_heads: int = Field(4, ge=1)
-    d_ff: int = Field(256, ge=1)
-    vocab_size: int = Field(256, ge=2)
-    seq_len: int = Field(32, ge=2)
-    positions: Literal["rotary", "learned"] = "rotary"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+class ModelConfig(BaseModel):
+    """Base of a task's `model:` section (its class attribute `Task.Config`): strict, frozen.
 
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TransformerConfig:
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}"
-            )
-        return self
+    `name` is optional for a task named by `task: module:Class`; a registered task's name
+    (e.g. `fno`) selects it when `task:` is absent.
+    """
 
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-class MlpConfig(_Section):
-    name: Literal["mlp"] = "mlp"
-    d_in: int = Field(32, ge=1)
-    d_hidden: int = Field(128, ge=1)
-    d_out: int = Field(8, ge=1)
-    num_layers: int = Field(2, ge=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-class FnoConfig(_Section):
-    name: Literal["fno"] = "fno"
-    in_channels: int = Field(1, ge=1)
-    out_channels: int = Field(1, ge=1)
-    width: int = Field(32, ge=1)
-    modes: int = Field(12, ge=1)
-    num_layers: int = Field(4, ge=1)
-    grid: int = Field(64, ge=4)
-    projection: int = Field(128, ge=1)   # hidden channels of the output projection
-    dtype: Literal["float32", "bfloat16"] = "float32"
-
-    @model_validator(mode="after")
-    def _modes_fit(self) -> FnoConfig:
-        if 2 * self.modes > self.grid:
-            raise ValueError(
-                f"model.modes={self.modes} needs model.grid >= {2 * self.modes} "
-                f"(got {self.grid}): a Fourier layer keeps modes x modes frequencies per half"
-            )
-        return self
-
-
-ModelConfig = Annotated[TransformerConfig | MlpConfig | FnoConfig, Field(discriminator="name")]
-MODEL_CONFIGS: dict[str, type[_Section]] = {
-    "transformer": TransformerConfig, "mlp": MlpConfig, "fno": FnoConfig,
-}
+    name: str | None = None
 
 
 class MeshConfig(_Section):
@@ -137,13 +93,24 @@ class LaunchConfig(_Section):
 
 
 class Config(_Section):
+    task: str | None = None       # module:Class of a spmd.Task (resolved from model.name if unset)
     run: RunConfig = RunConfig()
-    model: ModelConfig = TransformerConfig()
+    model: SerializeAsAny[BaseModel] = ModelConfig()  # validated by the task's own Config
     mesh: MeshConfig = MeshConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    def task_class(self) -> type:
+        """The spmd.Task subclass named by `task` (imported on first use)."""
+        from spmd.tasks.registry import import_task
+
+        return import_task(self.task or "", "task")
+
+    def build_task(self):
+        """A fresh instance of the config's task, bound to this config."""
+        return self.task_class()(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
@@ -155,8 +122,7 @@ class Config(_Section):
 def _section_class(cls: type[BaseModel], key: str, raw_value: Any) -> type[BaseModel] | None:
     """The pydantic class for `cls.key` if it is a section (resolving the model union)."""
     if cls is Config and key == "model":
-        name = raw_value.get("name", "transformer") if isinstance(raw_value, dict) else None
-        return MODEL_CONFIGS.get(name)
+        return None  # checked against the task's own Config (config_from_dict)
     annotation = cls.model_fields[key].annotation
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
@@ -217,38 +183,57 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def _format_validation(e: ValidationError) -> str:
+def _format_validation(e: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        loc = loc.replace("model.transformer", "model").replace("model.mlp", "model")
-        loc = loc.replace("model.fno", "model")
-        lines.append(f"{loc or 'config'}: {err['msg']}")
+        lines.append(f"{prefix}{loc or 'config'}: {err['msg']}".rstrip("."))
     return "; ".join(lines)
 
 
-def config_from_dict(raw: dict, source: str = "<config>") -> Config:
+def config_from_dict(raw: dict, source: str = "<config>", task: type | None = None) -> Config:
+    """Validate a raw config; the `model:` section against its task's own `Config` class.
+
+    The task is `task` when given (the Python API), else the config's `task: module:Class`,
+    else the task registered under `model.name` (default: transformer). The resolved config
+    names its task as `module:Class`, so its config.yaml reproduces the run on its own.
+    """
+    from spmd.tasks.registry import resolve_task, task_path
+
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{source}: top level must be a mapping of sections, got {type(raw).__name__}"
         )
     _check_keys(raw, Config, "")
-    model = raw.get("model")
-    if isinstance(model, dict) and "name" not in model:
-        raw = {**raw, "model": {"name": "transformer", **model}}
-        model = raw["model"]
-    if isinstance(model, dict) and model.get("name") not in MODEL_CONFIGS:
-        raise ConfigError(
-            f"{source}: model.name '{model.get('name')}' is not one of {', '.join(MODEL_CONFIGS)}"
-        )
+    model_raw = raw.get("model") or {}
+    if not isinstance(model_raw, dict):
+        raise ConfigError(f"{source}: model: must be a mapping of the task's model keys, "
+                          f"got {type(model_raw).__name__}")
     try:
-        return Config.model_validate(raw)
+        cls = task or resolve_task(raw.get("task"), model_raw.get("name"))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    section = getattr(cls, "Config", None)
+    if not (isinstance(section, type) and issubclass(section, BaseModel)):
+        raise ConfigError(f"{source}: task {task_path(cls)}: its class attribute Config must be "
+                          f"a pydantic model (subclass spmd.ModelConfig)")
+    _check_keys(model_raw, section, "model.")
+    try:
+        model = section.model_validate(model_raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_format_validation(e, 'model.')}") from None
+    try:
+        return Config.model_validate({**raw, "task": task_path(cls), "model": model})
     except ValidationError as e:
         raise ConfigError(f"{source}: {_format_validation(e)}") from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read YAML at `path` (or defaults when None), apply overrides, validate."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None,
+                task: type | None = None) -> Config:
+    """Read YAML at `path` (or defaults when None), apply overrides, validate.
+
+    `task` (a spmd.Task subclass) takes precedence over the config's `task:` key.
+    """
     raw: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -262,4 +247,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {p} does not parse as YAML: {e}") from None
     if overrides:
         raw = _merge(raw if isinstance(raw, dict) else {}, parse_overrides(overrides))
-    return config_from_dict(raw, source)
+    return config_from_dict(raw, source, task)

@@ -303,29 +303,9 @@ def _cost(compiled) -> float | None:
     return float(flops) if flops is not None and flops >= 0 else None
 
 
-def abstract_batch(rt) -> dict:
-    """ShapeDtypeStructs of one global batch, carrying the feed's shardings."""
-    import jax
-
-    return {
-        key: jax.ShapeDtypeStruct(f.global_shape(rt.cfg.train.batch_size), f.dtype,
-                                  sharding=rt.feed.shardings[key])
-        for key, f in rt.feed.fields.items()
-    }
-
-
-def compile_train_step(rt) -> tuple[object, float]:
-    """Lower and compile the runtime's train step on abstract inputs; (executable, seconds)."""
-    import time
-
-    start = time.perf_counter()
-    compiled = rt.train_step.lower(rt.state.abstract, abstract_batch(rt)).compile()
-    return compiled, time.perf_counter() - start
-
-
 def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
                        config_name: str = "<config>") -> Plan:
-    """The per-device figures of an executable compiled by `compile_train_step`."""
+    """The per-device figures of an executable compiled by `Runtime.compile_train_step`."""
     import jax
 
     name, memory, fraction = target_memory(system)
@@ -336,11 +316,10 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
     return Plan(
         config=config_name, strategy=cfg.mesh.strategy, mesh=dict(rt.mesh.shape),
         num_devices=n, system=name, device_memory_bytes=memory, mem_fraction=fraction,
-        param_bytes=per_device_bytes(state["params"]),
-        optimizer_bytes=per_device_bytes(state["opt_state"]),
-        other_state_bytes=per_device_bytes({k: v for k, v in state.items()
-                                            if k not in ("params", "opt_state")}),
-        batch_bytes=per_device_bytes(abstract_batch(rt)),
+        param_bytes=per_device_bytes(state.params),
+        optimizer_bytes=per_device_bytes(state.opt_state),
+        other_state_bytes=per_device_bytes(state.step),
+        batch_bytes=per_device_bytes(rt.abstract_batch()),
         argument_bytes=int(mem.argument_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes),
@@ -360,5 +339,5 @@ def make_plan(cfg: Config, mesh, system: str | None = None, config_name: str = "
 
     target_memory(system)  # fail on a bad --system before compiling
     rt = runtime or build_runtime(cfg, mesh)
-    compiled, seconds = compile_train_step(rt)
+    compiled, seconds = rt.compile_train_step()
     return plan_from_compiled(rt, compiled, seconds, system, config_name)

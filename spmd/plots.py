@@ -1,9 +1,11 @@
-"""PNG curves of a run (loss, test error, throughput) and sample fields.
+"""PNG curves of a run (loss, test error, throughput); the task draws its own figures.
 
 Reads RUN_DIR/metrics.jsonl (train records have `loss`; evaluation records have
-`eval_loss` and/or other `eval_*`/`test_*` keys) and RUN_DIR/eval_sample.npz (written at
-each evaluation); writes RUN_DIR/plots/*.png. A resumed run may log a step twice: the
-last record of each step wins.
+`eval_loss` and/or other `eval_*`/`test_*` keys) and writes RUN_DIR/plots/*.png. The
+task's `plot(out_dir, sample)` draws from RUN_DIR/eval_sample.npz (written at each
+evaluation); `plot_fields` is a helper for tasks whose samples are 2-D or 3-D fields.
+A resumed run may log a step twice: the last record of each step wins. `step` counts
+updates done (spmd.hooks).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-    pairs = [(r["step"] + 1, r[key]) for r in records
+    pairs = [(r["step"], r[key]) for r in records
              if isinstance(r.get(key), int | float) and np.isfinite(r[key])]
     if not pairs:
         return np.zeros(0), np.zeros(0)
@@ -136,14 +138,24 @@ def plot_throughput(train: list[dict], out: Path) -> Path | None:
     return _save(fig, out / "throughput.png")
 
 
-def plot_samples(npz: Path, out: Path) -> Path | None:
-    """One row per sample, one column per field (input, truth, prediction, error)."""
+def read_sample(run_dir: Path) -> dict[str, np.ndarray] | None:
+    """The arrays of RUN_DIR/eval_sample.npz (the last evaluation's), or None."""
+    npz = run_dir / "eval_sample.npz"
     if not npz.is_file():
         return None
+    with np.load(npz) as data:
+        return {k: np.asarray(data[k]) for k in data.files}
+
+
+def plot_fields(fields: dict[str, np.ndarray], path: Path,
+                title: str = "Test samples at the last evaluation") -> Path | None:
+    """One row per sample, one column per field (input, truth, prediction, error).
+
+    Fields are (sample, x, y) or (sample, x, y, channel); a 3-D field (sample, x, y, z)
+    shows its middle z slice.
+    """
     import matplotlib.pyplot as plt
 
-    with np.load(npz) as data:
-        fields = {k: np.asarray(data[k]) for k in data.files}
     names = [k for k in SAMPLE_ORDER if k in fields] + sorted(
         k for k in fields if k not in SAMPLE_ORDER)
     names = [k for k in names if fields[k].ndim in (3, 4)]
@@ -154,8 +166,8 @@ def plot_samples(npz: Path, out: Path) -> Path | None:
                              squeeze=False)
     for j, name in enumerate(names):
         values = fields[name][:rows]
-        if values.ndim == 4:
-            values = values[..., 0]
+        if values.ndim == 4:  # a channel, or the middle slice of a volume
+            values = values[..., 0] if values.shape[-1] <= 4 else values[..., values.shape[-1] // 2]
         if name == "error":
             bound = float(np.max(np.abs(values))) or 1.0
             kw = {"cmap": "RdBu_r", "vmin": -bound, "vmax": bound}
@@ -177,21 +189,23 @@ def plot_samples(npz: Path, out: Path) -> Path | None:
                 truth = fields["truth"][i]
                 rel = np.linalg.norm(values[i]) / max(float(np.linalg.norm(truth)), 1e-30)
                 ax.set_xlabel(f"rel. L2 {rel:.3g}", fontsize=8)
-    fig.suptitle("Test samples at the last evaluation")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out / "samples.png")
+    fig.savefig(path)
     plt.close(fig)
-    return out / "samples.png"
+    return path
 
 
-def make_plots(run_dir: Path) -> list[Path]:
-    """All plots that the run's files allow; returns the PNG paths written."""
+def make_plots(run_dir: Path, task=None) -> list[Path]:
+    """The generic curves, and the task's own figures of the last eval sample (if any)."""
     import matplotlib
 
     matplotlib.use("Agg")
     train, evals = read_metrics(run_dir)
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
-    made = [plot_loss(train, evals, out), plot_eval(evals, out), plot_throughput(train, out),
-            plot_samples(run_dir / "eval_sample.npz", out)]
-    return [p for p in made if p is not None]
+    made = [plot_loss(train, evals, out), plot_eval(evals, out), plot_throughput(train, out)]
+    sample = read_sample(run_dir)
+    if task is not None and sample is not None:
+        made += list(task.plot(out, sample) or [])
+    return [Path(p) for p in made if p is not None]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import optax
 from jax.sharding import Mesh
 
@@ -20,7 +22,7 @@ from spmd.state import (
     state_layout,
 )
 from spmd.step import make_eval_step, make_sample_step, make_train_step
-from spmd.tasks import Task, make_task
+from spmd.tasks import Task
 
 
 @dataclass
@@ -38,10 +40,26 @@ class Runtime:
     eval_step: Callable | None
     sample_step: Callable | None
 
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """ShapeDtypeStructs of one global batch, carrying the feed's shardings."""
+        return {name: jax.ShapeDtypeStruct(f.global_shape(self.cfg.train.batch_size), f.dtype,
+                                           sharding=self.feed.shardings[name])
+                for name, f in self.feed.fields.items()}
+
+    def compile_train_step(self) -> tuple[Callable, float]:
+        """Lower and compile the train step on abstract inputs: (executable, seconds).
+
+        Ahead of time, so a first step's time is a step's, and `spmd plan` reads the same
+        executable that training runs.
+        """
+        start = time.perf_counter()
+        compiled = self.train_step.lower(self.state.abstract, self.abstract_batch()).compile()
+        return compiled, time.perf_counter() - start
+
 
 def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     """Resolve every sharding (failing early with precise errors) and build the jitted steps."""
-    task = task or make_task(cfg)
+    task = task or cfg.build_task()
     rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
     tx = make_optimizer(cfg)
     model = model_layout(task, cfg.train.seed, rules, mesh)

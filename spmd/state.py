@@ -1,8 +1,9 @@
 """Train state created directly sharded: abstract init, then a jitted init with out_shardings.
 
-The state is a plain pytree `{"step", "params", "opt_state", "rng"}` (params as a
-pure dict), so optax, Orbax and the partner copies all see ordinary arrays. No
-device ever holds a full replica unless the rules say so.
+The state is a typed pytree, `TrainState(step, params, opt_state)` with params as a pure
+dict, so optax, Orbax and the partner copies all see ordinary arrays. No device ever
+holds a full replica unless the rules say so. The data position is `step` itself: every
+data source is a pure function of (seed, step).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,7 +23,14 @@ from spmd.config import Config
 from spmd.sharding import RuleTable, ShardingReport, resolve_params, state_shardings
 from spmd.tasks.base import Task
 
-TrainState = dict[str, Any]
+
+@flax.struct.dataclass
+class TrainState:
+    """What a checkpoint holds: updates done, parameters (pure dict), optimizer state."""
+
+    step: Any
+    params: Any
+    opt_state: Any
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -67,7 +76,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 class StateLayout:
     """Shardings and abstract shapes of the whole train state."""
 
-    shardings: TrainState
+    shardings: TrainState         # of NamedShardings
     abstract: TrainState          # ShapeDtypeStructs carrying their shardings (restore targets)
 
 
@@ -81,16 +90,10 @@ def state_layout(layout: ModelLayout, tx: optax.GradientTransformation, rules: R
         tx, lambda _, s: s, abstract_opt, param_shardings,
         transform_non_params=lambda _: replicated(mesh),
     )
-    shardings = {
-        "step": replicated(mesh), "params": param_shardings, "opt_state": opt_shardings,
-        "rng": replicated(mesh),
-    }
-    abstract = {
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-        "params": abstract_params,
-        "opt_state": abstract_opt,
-        "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
-    }
+    shardings = TrainState(step=replicated(mesh), params=param_shardings,
+                           opt_state=opt_shardings)
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
+                          opt_state=abstract_opt)
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
@@ -104,11 +107,7 @@ def init_state_fn(task: Task, cfg: Config, tx: optax.GradientTransformation,
     def init() -> TrainState:
         model = task.build_model(nnx.Rngs(cfg.train.seed))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
-        return {
-            "step": jnp.zeros((), jnp.int32),
-            "params": params,
-            "opt_state": tx.init(params),
-            "rng": jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
-        }
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=tx.init(params))
 
     return jax.jit(init, out_shardings=layout.shardings)

@@ -24,10 +24,10 @@ def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
             def loss_fn(params):
                 return task.loss(layout.merge(params), batch)
 
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
-        new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return new_state, metrics
 
@@ -49,7 +49,7 @@ def make_eval_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
 
     return jax.jit(
         eval_step,
-        in_shardings=(state_layout.shardings["params"], dict(batch_shardings)),
+        in_shardings=(state_layout.shardings.params, dict(batch_shardings)),
         out_shardings=replicated(mesh),
     )
 
@@ -65,6 +65,6 @@ def make_sample_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
 
     return jax.jit(
         sample_step,
-        in_shardings=(state_layout.shardings["params"], dict(batch_shardings)),
+        in_shardings=(state_layout.shardings.params, dict(batch_shardings)),
         out_shardings=replicated(mesh),
     )

@@ -1,171 +1,165 @@
-"""The training loop: one rank's view of a run, from bootstrap to the last save."""
+"""The training loop: one rank's view of a run, from bootstrap to the last save.
+
+`Trainer(cfg).run()` bootstraps this rank, restores the newest committed checkpoint (or
+initializes), then loops: one jitted update, then the hooks that are due. Everything
+between updates (preemption, metrics, evaluation, checkpoints, plots, a user's own) is a
+hook added with `add_hook(fn, every=N)`; see spmd.hooks for the calling convention.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 
 from spmd.checkpoint import make_checkpointer
 from spmd.config import Config
-from spmd.launch import (
-    HALT_FILE_NAME,
-    PREEMPTED_EXIT_CODE,
-    LaunchEnv,
-    PreemptionWatcher,
-    bootstrap,
-    job_end_time,
-)
+from spmd.hooks import Hook, HookFn, StepInfo
+from spmd.launch import HALT_FILE_NAME, LaunchEnv, PreemptionWatcher, bootstrap, job_end_time
 from spmd.mesh import build_mesh
-from spmd.metrics import EventLog, JsonlWriter, Progress, setup_logging
+from spmd.metrics import EventLog, setup_logging
 from spmd.runtime import Runtime, build_runtime
-from spmd.tasks import make_task
+from spmd.tasks import Task
+from spmd.training_hooks import (
+    CheckpointHook,
+    EvalHook,
+    MetricsHook,
+    PlotsHook,
+    PreemptionHook,
+    StepClock,
+)
 
 log = logging.getLogger("spmd.trainer")
 
-def evaluate(rt: Runtime, params, sample_path: Path | None) -> dict[str, float]:
-    """Mean of the task's eval metrics over `data.eval_batches` fixed batches.
 
-    With a sample step, the first batch's sample outputs go to `sample_path` (rank 0).
-    """
-    source = rt.task.eval_source()
-    totals: dict[str, float] = {}
-    n = rt.task.eval_batches()
-    for i in range(n):
-        batch = rt.feed.global_batch(source, i)
-        metrics = jax.device_get(rt.eval_step(params, batch))
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v) / n
-        if i == 0 and rt.sample_step is not None:
-            sample = jax.device_get(rt.sample_step(params, batch))
-            if sample_path is not None:
-                np.savez(sample_path, **sample)
-    return totals
+class Trainer:
+    """Trains `cfg` (its task, or `task`) on every device of every rank of the job."""
 
+    def __init__(self, cfg: Config, task: Task | None = None):
+        self.cfg = cfg
+        self.task = task
+        self.exit_code = 0
+        self._user_hooks: list[Hook] = []
 
-def compile_train_step(rt: Runtime, events: EventLog):
-    """Compile ahead of time, so the first step's time is a step's, and log how long XLA took."""
-    t0 = time.perf_counter()
-    batch = {name: jax.ShapeDtypeStruct(f.global_shape(rt.cfg.train.batch_size), f.dtype,
-                                        sharding=rt.feed.shardings[name])
-             for name, f in rt.feed.fields.items()}
-    compiled = rt.train_step.lower(rt.state.abstract, batch).compile()
-    events.emit("compiled", seconds=round(time.perf_counter() - t0, 3))
-    return compiled
+    def add_hook(self, fn: HookFn, *, every: int = 1, name: str = "") -> Hook:
+        """Call `fn(StepInfo)` after every `every`-th update and at the run's last step."""
+        hook = Hook(fn, every, name)
+        self._user_hooks.append(hook)
+        return hook
 
+    # ------------------------------------------------------------------ whole run
 
-def run_training(cfg: Config, env: LaunchEnv, events: EventLog) -> int:
-    """Train on an initialized JAX runtime; returns the process exit status."""
-    is_main = env.rank == 0
-    run_dir = cfg.run.dir
-    task = make_task(cfg)
-    task.prepare(is_main)
-    if env.size > 1:
-        multihost_utils.sync_global_devices("spmd:task-prepared")
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank), task)
-    mesh_desc = {k: v for k, v in rt.mesh.shape.items() if v > 1}
-    log.info("mesh %s over %d devices, %d processes; params %s B total, %s B per device",
-             mesh_desc or "(all axes 1)", rt.mesh.size, env.size,
-             f"{rt.model.report.total_bytes:,}", f"{rt.model.report.bytes_per_device:,}")
+    def run(self, debug: bool = False) -> int:
+        """Bootstrap this rank, train, shut the distributed runtime down; the exit status."""
+        cfg = self.cfg
+        env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
+                        heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
+        run_dir = Path(cfg.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(run_dir, env.rank, debug)
+        if env.rank == 0:
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        events = EventLog(run_dir / "events.jsonl", env.rank)
+        events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
+                    restart_count=env.restart_count, job_id=env.job_id, task=cfg.task)
+        try:
+            return self.fit(env, events)
+        finally:
+            events.close()
+            if env.size > 1:
+                jax.distributed.shutdown()
 
-    ckpt = make_checkpointer(cfg, env, events)
-    restored = ckpt.restore(rt.state.abstract)
-    if restored is not None:
-        state, start = restored.state, restored.step
-        events.emit("restored", step=start, source=restored.source, detail=restored.detail)
-    else:
-        state, start = rt.init(), 0
-        events.emit("initialized", step=0)
-
-    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME,
-                                        timeout_s=cfg.launch.barrier_timeout_s, env=env)
-    end_time = job_end_time(env, os.environ)
-    if end_time is not None:
-        watcher.deadline = end_time - cfg.launch.walltime_margin_s
-        log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
-                 cfg.launch.walltime_margin_s)
-
-    metrics_log = JsonlWriter(run_dir / "metrics.jsonl", enabled=is_main)
-    total = cfg.train.steps
-    progress = Progress(total, start, enabled=is_main and cfg.run.progress)
-    source = rt.task.train_source()
-    batch = cfg.train.batch_size
-    units = rt.task.tokens_per_example()
-
-    def run_eval(done: int, params) -> None:
-        """Evaluate the params after `done` updates (eval records' `step` counts updates)."""
-        sample_path = run_dir / "eval_sample.npz" if is_main else None
-        record = {"step": done, **evaluate(rt, params, sample_path)}
-        metrics_log.write(record)
-        events.emit("evaluated", **record)
-
-    try:
-        if rt.eval_step is not None and start == 0:
-            run_eval(0, state["params"])  # the baseline every later evaluation is compared with
-        train_step = compile_train_step(rt, events)
-        last_time, last_step = time.perf_counter(), start
-        for step in range(start, total):
-            state, metrics = train_step(state, rt.feed.global_batch(source, step))
-            done = step + 1
-            if done % cfg.run.log_every == 0 or done == total:
-                values = jax.device_get(metrics)
-                now = time.perf_counter()
-                step_time = (now - last_time) / (done - last_step)
-                last_time, last_step = now, done
-                record = {"step": step, "loss": float(values["loss"]), "step_time_s": step_time,
-                          "samples_per_s": batch / step_time}
-                if units > 1:
-                    record["tokens_per_s"] = batch * units / step_time
-                record.update({k: float(v) for k, v in values.items() if k != "loss"})
-                if not np.isfinite(record["loss"]):
-                    events.emit("nonfinite_loss", step=step, loss=str(record["loss"]))
-                metrics_log.write(record)
-                progress.update(done, record["loss"], record["samples_per_s"],
-                                step_time * (total - done))
-            if rt.eval_step is not None and (done % cfg.train.eval_every == 0 or done == total):
-                run_eval(done, state["params"])
-                last_time = time.perf_counter()  # evaluation is not step time
-            ckpt.maybe_save(done, state)
-            if watcher.should_stop(done):
-                ckpt.maybe_save(done, state, force=True)
-                ckpt.close()
-                events.emit("preempted", step=done, reason=watcher.reason,
-                            exit_code=PREEMPTED_EXIT_CODE)
-                return PREEMPTED_EXIT_CODE
-        ckpt.maybe_save(total, state, force=True)
-        ckpt.close()
-        events.emit("finished", step=total)
-        if is_main and cfg.run.plots:
-            metrics_log.close()
-            from spmd.plots import make_plots
-
-            events.emit("plotted", files=[p.name for p in make_plots(run_dir)])
-        return 0
-    finally:
-        progress.close()
-        metrics_log.close()
-
-
-def train(cfg: Config, debug: bool = False) -> int:
-    """`spmd train`: bootstrap this rank, train, and shut the distributed runtime down."""
-    env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
-                    heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, env.rank, debug)
-    if env.rank == 0:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    events = EventLog(run_dir / "events.jsonl", env.rank)
-    events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
-                restart_count=env.restart_count, job_id=env.job_id)
-    try:
-        return run_training(cfg, env, events)
-    finally:
-        events.close()
+    def build(self, env: LaunchEnv) -> Runtime:
+        """The task's one-time preparation (rank 0), then every sharding and jitted step."""
+        task = self.task or self.cfg.build_task()
+        task.prepare(env.rank == 0)
         if env.size > 1:
-            jax.distributed.shutdown()
+            multihost_utils.sync_global_devices("spmd:task-prepared")
+        mesh = build_mesh(self.cfg.mesh, jax.devices(), env.node_of_rank)
+        rt = build_runtime(self.cfg, mesh, task)
+        shape = {k: v for k, v in rt.mesh.shape.items() if v > 1}
+        log.info("task %s; mesh %s over %d devices, %d processes; params %s B total, %s B "
+                 "per device", self.cfg.task, shape or "(all axes 1)", rt.mesh.size, env.size,
+                 f"{rt.model.report.total_bytes:,}", f"{rt.model.report.bytes_per_device:,}")
+        return rt
+
+    def fit(self, env: LaunchEnv, events: EventLog) -> int:
+        """Train on an initialized JAX runtime; returns the process exit status."""
+        cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
+        rt = self.build(env)
+        checkpointer = make_checkpointer(cfg, env, events)
+        restored = checkpointer.restore(rt.state.abstract)
+        if restored is not None:
+            state, start = restored.state, restored.step
+            events.emit("restored", step=start, source=restored.source, detail=restored.detail)
+        else:
+            state, start = rt.init(), 0
+            events.emit("initialized", step=0)
+
+        clock = StepClock(start)
+        metrics = MetricsHook(rt, run_dir, events, is_main, clock)
+        hooks = self._hooks(rt, env, events, checkpointer, metrics)
+        info = StepInfo(step=start, state=state, metrics={}, runtime=rt, trainer=self,
+                        final=start >= cfg.train.steps)
+        try:
+            for hook in hooks:
+                hook.start(info)
+            compiled, seconds = rt.compile_train_step()
+            events.emit("compiled", seconds=round(seconds, 3))
+            clock.lap(start)  # compile time is not step time
+            info = self._loop(compiled, rt, state, start, hooks) or info
+        except BaseException:
+            metrics.close()
+            raise
+        for hook in hooks:
+            hook.close(info)
+        if info.stop_reason is not None:
+            events.emit("preempted", step=info.step, reason=info.stop_reason,
+                        exit_code=self.exit_code)
+        else:
+            events.emit("finished", step=info.step)
+        return self.exit_code
+
+    def _loop(self, compiled: Callable, rt: Runtime, state, start: int,
+              hooks: list[Hook]) -> StepInfo | None:
+        """Updates from `start` to train.steps (or a stop); the last step's info."""
+        source, total, info = rt.task.train_source(), self.cfg.train.steps, None
+        for step in range(start, total):
+            state, metrics = compiled(state, rt.feed.global_batch(source, step))
+            info = StepInfo(step=step + 1, state=state, metrics=metrics, runtime=rt,
+                            trainer=self, final=step + 1 == total)
+            for hook in hooks:
+                if hook.due(info):
+                    hook.fn(info)
+            if info.stop_reason is not None:
+                break
+        return info
+
+    def _hooks(self, rt: Runtime, env: LaunchEnv, events: EventLog, checkpointer,
+               metrics: MetricsHook) -> list[Hook]:
+        """Built-in hooks around the user's: preemption first (it makes a step final), then
+        metrics, evaluation, the user's hooks, the checkpoint, the plots."""
+        cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
+        watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME,
+                                            timeout_s=cfg.launch.barrier_timeout_s, env=env)
+        end_time = job_end_time(env, os.environ)
+        if end_time is not None:
+            watcher.deadline = end_time - cfg.launch.walltime_margin_s
+            log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
+                     cfg.launch.walltime_margin_s)
+        hooks = [Hook(PreemptionHook(watcher), 1, "preemption"),
+                 Hook(metrics, cfg.run.log_every, "metrics")]
+        if rt.eval_step is not None and cfg.train.eval_every:
+            hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main),
+                              cfg.train.eval_every, "evaluation"))
+        hooks += self._user_hooks
+        hooks.append(Hook(CheckpointHook(checkpointer), 1, "checkpoint"))
+        if is_main and cfg.run.plots:
+            hooks.append(Hook(PlotsHook(run_dir, events), max(cfg.train.steps, 1), "plots"))
+        return hooks
+

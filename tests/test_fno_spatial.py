@@ -9,7 +9,7 @@ import pytest
 from fno_helpers import make_tiny_dataset, tiny_config
 from jax.sharding import PartitionSpec as P
 
-import models.fno
+import spmd.models.fno
 from conftest import train_steps
 from spmd.config import load_config
 from spmd.mesh import build_mesh
@@ -40,7 +40,7 @@ def reference(config):
 def activation_specs(rt, state) -> dict[str, P]:
     """Every activation the model constrains, with the sharding it has on the devices."""
     seen: dict[str, P] = {}
-    original = models.fno.constrain
+    original = spmd.models.fno.constrain
 
     def spy(x, axes, name=None):
         y = original(x, axes, name)
@@ -48,11 +48,11 @@ def activation_specs(rt, state) -> dict[str, P]:
         return y
 
     batch = rt.feed.global_batch(rt.task.train_source(), 0)
-    models.fno.constrain = spy
+    spmd.models.fno.constrain = spy
     try:
-        rt.eval_step(state["params"], batch)  # a fresh trace: the spy sees every constraint
+        rt.eval_step(state.params, batch)  # a fresh trace: the spy sees every constraint
     finally:
-        models.fno.constrain = original
+        spmd.models.fno.constrain = original
     return {name: s.spec for name, s in seen.items()}
 
 
@@ -77,7 +77,7 @@ def test_spatial_matches_one_device_and_splits_the_grid(config, reference, axes)
     assert shard.size * 8 == batch["a"].size
 
     # parameters: read from the state; nothing in the FNO is x/y-shaped, so all replicated
-    for leaf in jax.tree.leaves(state["params"]):
+    for leaf in jax.tree.leaves(state.params):
         assert leaf.sharding.spec == P()
     assert rt.model.report.replicated_fraction == 1.0
 
@@ -88,7 +88,7 @@ def test_channel_rule_override_shards_weights_and_still_matches(config, referenc
                  "mesh.axes.tensor=2", "mesh.rules.channels=tensor", "mesh.rules.y=null")
     losses, state = train_steps(rt, STEPS)
     np.testing.assert_allclose(losses, reference, rtol=1e-4)
-    params = state["params"]
+    params = state.params
     spectral = params["layers"][0]["spectral"]["weight_real"]
     assert spectral.sharding.spec == P(None, None, "tensor")
     assert params["layers"][0]["pointwise"]["bias"].sharding.spec == P("tensor")

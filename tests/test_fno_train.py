@@ -43,7 +43,7 @@ def test_single_process_trains_evaluates_and_plots(single):
     run_dir, result = single
     assert "making" in result.stderr
     train, evals = read(run_dir)
-    assert [r["step"] for r in train] == list(range(STEPS))
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert [r["step"] for r in evals] == [0, 2, 4, 6]  # after 0, 2, 4 and 6 updates
     assert all(np.isfinite(r["test_rel_l2"]) and r["test_rel_l2"] > 0 for r in evals)
     with np.load(run_dir / "eval_sample.npz") as sample:
@@ -91,6 +91,6 @@ def test_resume_on_another_process_count_continues_with_the_next_batch(tmp_path,
     assert "restored step=3" in result.stderr
     ref_train, _ = read(single[0])
     got_train, _ = read(run_dir)
-    assert [r["step"] for r in got_train] == list(range(STEPS))
+    assert [r["step"] for r in got_train] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in got_train], [r["loss"] for r in ref_train],
                                rtol=1e-5)

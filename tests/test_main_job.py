@@ -49,7 +49,7 @@ def test_readme_main_command_in_a_fresh_clone(tmp_path):
     evals = [r for r in records if "test_rel_l2" in r]
     train = [r for r in records if "loss" in r]
     claimed_initial, claimed_final, steps = readme_claim()
-    assert train[-1]["step"] == steps - 1
+    assert train[-1]["step"] == steps
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps
     initial, final = evals[0]["test_rel_l2"], evals[-1]["test_rel_l2"]
     assert final <= initial / 2, (initial, final)  # falls by at least half

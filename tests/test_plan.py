@@ -36,8 +36,8 @@ def test_plan_memory_matches_a_measured_run():
     live = device0_bytes(new)           # state after the step + batch + metrics
 
     # From the shardings: exact.
-    assert plan.param_bytes == device0_bytes(jax.tree.leaves(state["params"]))
-    assert plan.optimizer_bytes == device0_bytes(jax.tree.leaves(state["opt_state"]))
+    assert plan.param_bytes == device0_bytes(jax.tree.leaves(state.params))
+    assert plan.optimizer_bytes == device0_bytes(jax.tree.leaves(state.opt_state))
     assert plan.param_bytes == rt.model.report.bytes_per_device
     # From the compiled executable (arguments + outputs - donated aliases): within 10%.
     assert abs(plan.resident_bytes - live) <= 0.10 * live, (plan.resident_bytes, live)

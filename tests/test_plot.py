@@ -12,7 +12,14 @@ import pytest
 from conftest import run_spmd
 from spmd.commands.plot import run as plot_run
 from spmd.errors import SpmdError
-from spmd.plots import make_plots, read_metrics
+from spmd.plots import make_plots, plot_fields, read_metrics
+
+
+class FieldsTask:
+    """A task's own figures: the eval sample's fields (as the FNO task draws them)."""
+
+    def plot(self, out_dir, sample):
+        return [plot_fields(sample, out_dir / "samples.png")]
 
 
 def fake_run(run_dir, steps=40, resumed_at=None):
@@ -38,7 +45,7 @@ def fake_run(run_dir, steps=40, resumed_at=None):
 
 
 def test_plots_are_written_and_not_blank(tmp_path):
-    paths = make_plots(fake_run(tmp_path / "run"))
+    paths = make_plots(fake_run(tmp_path / "run"), FieldsTask())
     names = sorted(p.name for p in paths)
     assert names == ["loss.png", "samples.png", "test_error.png", "throughput.png"]
     for path in paths:
@@ -78,5 +85,9 @@ def test_cli_exit_status(tmp_path):
     result = run_spmd("plot", str(tmp_path))
     assert result.returncode != 0
     assert "metrics.jsonl" in result.stderr and "Traceback" not in result.stderr
-    ok = run_spmd("plot", str(fake_run(tmp_path / "run")))
+    run_dir = fake_run(tmp_path / "run")
+    ok = run_spmd("plot", str(run_dir))
+    assert ok.returncode == 0 and "loss.png" in ok.stdout and "samples.png" not in ok.stdout
+    (run_dir / "config.yaml").write_text("model: {name: fno}\n")  # the task draws the fields
+    ok = run_spmd("plot", str(run_dir))
     assert ok.returncode == 0 and "samples.png" in ok.stdout

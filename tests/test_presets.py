@@ -35,7 +35,7 @@ def per_device_param_bytes(state) -> int:
     device = jax.devices()[0]
     return sum(
         shard.data.nbytes
-        for leaf in jax.tree.leaves(state["params"])
+        for leaf in jax.tree.leaves(state.params)
         for shard in leaf.addressable_shards if shard.device == device
     )
 
@@ -50,7 +50,7 @@ def activations(rt, state):
             x = jnp.take(model.embedding[...], tokens, axis=0)
             return model(tokens), model.blocks[0](x)
 
-    return jax.jit(forward)(state["params"], tokens)
+    return jax.jit(forward)(state.params, tokens)
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "fsdp_tp", "sp"])
@@ -60,7 +60,7 @@ def test_preset_matches_one_device(strategy, reference_losses):
     losses, state = train_steps(rt, STEPS)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
-    params = state["params"]
+    params = state.params
     up = params["blocks"][0]["mlp"]["up"]["kernel"].sharding.spec
     query = params["blocks"][0]["attn"]["query"].sharding.spec
     logits, hidden = activations(rt, state)
@@ -88,7 +88,7 @@ def test_fsdp_bytes_per_device_are_an_eighth_of_dp():
     dp_state, fsdp_state = dp.init(), fsdp.init()
     dp_bytes, fsdp_bytes = per_device_param_bytes(dp_state), per_device_param_bytes(fsdp_state)
     replicated = sum(
-        leaf.nbytes for leaf in jax.tree.leaves(fsdp_state["params"])
+        leaf.nbytes for leaf in jax.tree.leaves(fsdp_state.params)
         if leaf.sharding.spec == P()
     )
     assert fsdp_bytes <= dp_bytes / 8 + replicated
@@ -99,8 +99,8 @@ def test_fsdp_bytes_per_device_are_an_eighth_of_dp():
 def test_state_is_created_sharded_not_replicated():
     rt = make("fsdp", jax.devices())
     state = rt.init()
-    kernel = state["params"]["blocks"][0]["mlp"]["up"]["kernel"]
+    kernel = state.params["blocks"][0]["mlp"]["up"]["kernel"]
     assert kernel.sharding.spec == P("fsdp")
-    mu = jax.tree.leaves(state["opt_state"])
+    mu = jax.tree.leaves(state.opt_state)
     assert any(getattr(x, "sharding", None) is not None and x.sharding.spec == P("fsdp")
                for x in mu), "optimizer moments follow their parameter's sharding"

@@ -121,7 +121,7 @@ def test_spmd_train_two_ranks_to_completion(slurm_cluster, tmp_path):  # noqa: F
         info = slurm_cluster.wait_finished(job, timeout=240)
         assert info["JobState"] == "COMPLETED", slurm_cluster.describe(job, info)
         metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert metrics and metrics[-1]["step"] == 5, metrics
+        assert metrics and metrics[-1]["step"] == 6, metrics
         assert all({"step", "loss", "step_time_s"} <= set(m) for m in metrics)
         ev = events(run_dir)
         started = {e["rank"]: e for e in ev if e["event"] == "started"}

@@ -37,7 +37,7 @@ def events(run_dir: Path, name: str) -> list[dict]:
 
 def final(run_dir: Path) -> tuple[float, dict[str, bytes]]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    loss = [x for x in lines if x.get("step") == STEPS - 1][-1]["loss"]
+    loss = [x for x in lines if x.get("step") == STEPS][-1]["loss"]
     blobs = {p.parent.name: p.read_bytes()
              for p in sorted((run_dir / "local" / str(STEPS)).glob("rank?????/shards.bin"))}
     return loss, blobs

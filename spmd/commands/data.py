@@ -28,30 +28,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spmd.config import load_config
-    from spmd.data.fields import describe
     from spmd.errors import SpmdError
-    from spmd.tasks.operator import dataset_path, make_dataset, validate_dataset
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.model.name != "fno":
-        raise SpmdError(f"model.name={cfg.model.name} has no dataset to make; `spmd data` "
-                        f"serves model.name=fno (it generates its own data otherwise)")
-    path = dataset_path(cfg)
+    task = cfg.build_task()
     if args.action == "info":
-        print(describe(validate_dataset(cfg)))
+        described = task.describe_data()
+        if described is None:
+            raise SpmdError(f"task {cfg.task} keeps no data set on disk (it generates its data)")
+        print(described)
         return 0
     if args.workers < 1:
         raise SpmdError("--workers must be >= 1")
-    if path.exists() and not args.force:
-        info = validate_dataset(cfg)
-        print(f"{describe(info)} exists and fits the config; --force to remake it")
-        return 0
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("spmd")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    info = make_dataset(cfg, workers=args.workers, compression=args.compression)
-    print(describe(info))
+    made = task.make_data(workers=args.workers, force=args.force, compression=args.compression)
+    if made is None:
+        raise SpmdError(f"task {cfg.task} has no data set to make (it generates its data)")
+    print(made)
     return 0

@@ -15,6 +15,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from spmd.plots import make_plots
 
-    for path in make_plots(Path(args.run_dir)):
+    run_dir = Path(args.run_dir)
+    for path in make_plots(run_dir, _task_of(run_dir)):
         print(path)
     return 0
+
+
+def _task_of(run_dir: Path):
+    """The run's task (from its resolved config.yaml) for its own figures; None without one."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return None
+    from spmd.config import load_config
+
+    return load_config(config).build_task()

@@ -32,11 +32,10 @@ def run(args: argparse.Namespace) -> int:
     from spmd.mesh import build_mesh
     from spmd.sharding import rules_for
     from spmd.state import model_layout
-    from spmd.tasks import make_task
 
     mesh = build_mesh(cfg.mesh, devices)
     rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
-    report = model_layout(make_task(cfg), cfg.train.seed, rules, mesh).report
+    report = model_layout(cfg.build_task(), cfg.train.seed, rules, mesh).report
     print(json.dumps(report.as_json(), indent=2) if args.json else report.as_text())
     report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
     return 0

@@ -13,9 +13,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from spmd.api import train
     from spmd.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # validate before touching JAX or MPI
-    from spmd.trainer import train
-
     return train(cfg, debug=args.debug)

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from spmd.data.batch import BatchField, DataSource
 from spmd.sharding import RuleTable, logical_to_spec
-from spmd.tasks.base import BatchField, DataSource
 
 
 def batch_shardings(fields: Mapping[str, BatchField], batch_size: int, mesh: Mesh,

@@ -1,5 +1,8 @@
-"""Tasks: model + loss + batch layout + data source, one module per model family."""
+"""Tasks: model + loss + batch layout + data source + config, one module per model family."""
 
-from spmd.tasks.base import BatchField, DataSource, Task, make_task
+from spmd.data.batch import BatchField, DataSource
+from spmd.tasks.base import ModelConfig, Task
+from spmd.tasks.registry import import_task, registered_tasks, resolve_task
 
-__all__ = ["BatchField", "DataSource", "Task", "make_task"]
+__all__ = ["BatchField", "DataSource", "ModelConfig", "Task", "import_task",
+           "registered_tasks", "resolve_task"]

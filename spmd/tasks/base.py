@@ -1,45 +1,43 @@
-"""A task binds a model to its loss, its batch layout and its data source.
+"""A task binds a model to its loss, its batch layout, its data source and its config.
 
 The trainer knows only this interface, so the same loop trains a language model, a
-regressor or a neural operator. Data sources are pure functions of (step, row):
-that is what makes a resumed run bit-identical and any process count see the
-same global batch.
+regressor, a neural operator or a user's own model. A task declares the pydantic class
+that validates the YAML `model:` section as its class attribute `Config`; the trainer
+hands it the validated run config, and the task reads its own section as `self.cfg.model`.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
-import numpy as np
 from flax import nnx
+from pydantic import BaseModel, ConfigDict
 
-from spmd.config import Config
+from spmd.data.batch import BatchField, DataSource
 
-
-@dataclass(frozen=True)
-class BatchField:
-    """One array of a batch: per-example shape, dtype, and logical axes including `batch`."""
-
-    example_shape: tuple[int, ...]
-    dtype: np.dtype
-    axes: tuple[str | None, ...]
-
-    def global_shape(self, batch_size: int) -> tuple[int, ...]:
-        return (batch_size, *self.example_shape)
+if TYPE_CHECKING:
+    from spmd.config import Config
 
 
-class DataSource(Protocol):
-    """Rows [start, stop) of the global batch at `step`, identical for any process count."""
+class ModelConfig(BaseModel):
+    """Base of a task's `model:` section: strict (unknown keys are errors) and frozen.
 
-    def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]: ...
+    `name` is optional for a task named by `task: module:Class`; a registered task's name
+    (e.g. `fno`) selects it when `task:` is absent.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = None
 
 
 class Task(abc.ABC):
-    """What the trainer needs from a model family."""
+    """What the trainer needs from a model family. Subclass it, and name it in `task:`."""
+
+    Config: ClassVar[type[BaseModel]] = ModelConfig
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -57,6 +55,15 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def train_source(self) -> DataSource: ...
 
+    def make_data(self, *, workers: int = 1, force: bool = False, **options) -> str | None:
+        """`spmd data make`: write this task's data set if missing (or `force`); None = no data
+        set to make (the task generates its data). Returns a one-line description."""
+        return None
+
+    def describe_data(self) -> str | None:
+        """`spmd data info`: the data set checked against the config; None = nothing on disk."""
+        return None
+
     def prepare(self, is_coordinator: bool) -> None:
         """One-time set-up before training (e.g. make a missing dataset); rank 0 does the work."""
 
@@ -70,9 +77,14 @@ class Task(abc.ABC):
     def sample_outputs(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> dict | None:
         """Arrays worth looking at (e.g. input, truth, prediction fields) for one eval batch.
 
-        The trainer saves them as run_dir/eval_sample.npz at each evaluation; None = nothing.
+        Computed on the whole (sharded) eval batch; the trainer keeps the first few examples
+        in run_dir/eval_sample.npz at each evaluation. None = nothing.
         """
         return None
+
+    def plot(self, run_dir, sample: Mapping[str, object]) -> list:
+        """Task-specific figures from an eval sample (paths written); spmd draws the curves."""
+        return []
 
     def eval_batches(self) -> int:
         return self.cfg.data.eval_batches
@@ -84,18 +96,3 @@ class Task(abc.ABC):
     def flops_per_example(self) -> float | None:
         """Training FLOPs per example (forward + backward), for MFU; None when unknown."""
         return None
-
-
-_REGISTRY = {
-    "transformer": ("spmd.tasks.lm", "LanguageModelTask"),
-    "mlp": ("spmd.tasks.regression", "RegressionTask"),
-    "fno": ("spmd.tasks.operator", "OperatorTask"),
-}
-
-
-def make_task(cfg: Config) -> Task:
-    """The task for `model.name` (imported lazily: one model family's deps don't load others)."""
-    import importlib
-
-    module, cls = _REGISTRY[cfg.model.name]
-    return getattr(importlib.import_module(module), cls)(cfg)

@@ -2,20 +2,46 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from pydantic import Field, model_validator
 
-from spmd.config import TransformerConfig
+from spmd.config import ModelConfig
+from spmd.data.batch import BatchField
 from spmd.data.synthetic import ArithmeticTokens
 from spmd.models.transformer import TransformerLM
-from spmd.tasks.base import BatchField, Task
+from spmd.tasks.base import Task
 
 EVAL_STREAM = 1
 
 
+class TransformerConfig(ModelConfig):
+    name: Literal["transformer"] = "transformer"
+    num_layers: int = Field(2, ge=1)
+    d_model: int = Field(64, ge=1)
+    num_heads: int = Field(4, ge=1)
+    d_ff: int = Field(256, ge=1)
+    vocab_size: int = Field(256, ge=2)
+    seq_len: int = Field(32, ge=2)
+    positions: Literal["rotary", "learned"] = "rotary"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TransformerConfig:
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+            )
+        return self
+
+
 class LanguageModelTask(Task):
+    Config = TransformerConfig
+
     @property
     def model_cfg(self) -> TransformerConfig:
         return self.cfg.model

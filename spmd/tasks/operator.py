@@ -12,13 +12,16 @@ import functools
 import logging
 import time
 from pathlib import Path
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from pydantic import Field, model_validator
 
-from spmd.config import FnoConfig
+from spmd.config import ModelConfig
+from spmd.data.batch import BatchField
 from spmd.data.darcy import make_darcy_dataset
 from spmd.data.field_source import FieldBatches
 from spmd.data.fields import (
@@ -31,11 +34,11 @@ from spmd.data.fields import (
     inspect_fields,
 )
 from spmd.models.fno import FIELD, FNO2d
-from spmd.tasks.base import BatchField, Task
+from spmd.tasks.base import Task
 
 log = logging.getLogger("spmd.tasks.operator")
 
-SAMPLES_SAVED = 4   # test samples written to eval_sample.npz per evaluation
+
 
 
 def dataset_path(cfg) -> Path:
@@ -88,7 +91,30 @@ def relative_l2(pred: jax.Array, truth: jax.Array) -> jax.Array:
     return diff / jnp.maximum(jnp.sqrt(jnp.sum(truth**2, axis=axes)), 1e-12)
 
 
+class FnoConfig(ModelConfig):
+    name: Literal["fno"] = "fno"
+    in_channels: int = Field(1, ge=1)
+    out_channels: int = Field(1, ge=1)
+    width: int = Field(32, ge=1)
+    modes: int = Field(12, ge=1)
+    num_layers: int = Field(4, ge=1)
+    grid: int = Field(64, ge=4)
+    projection: int = Field(128, ge=1)   # hidden channels of the output projection
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _modes_fit(self) -> FnoConfig:
+        if 2 * self.modes > self.grid:
+            raise ValueError(
+                f"modes={self.modes} needs grid >= {2 * self.modes} "
+                f"(got {self.grid}): a Fourier layer keeps modes x modes frequencies per half"
+            )
+        return self
+
+
 class OperatorTask(Task):
+    Config = FnoConfig
+
     @property
     def model_cfg(self) -> FnoConfig:
         return self.cfg.model
@@ -107,10 +133,22 @@ class OperatorTask(Task):
 
     # ------------------------------------------------------------ data
 
+    def make_data(self, *, workers: int = 1, force: bool = False,
+                  compression: str | None = None, **options) -> str:
+        """`spmd data make`: solve the Darcy problems and write data.path (atomic rename)."""
+        path = dataset_path(self.cfg)
+        if path.exists() and not force:
+            return f"{describe(validate_dataset(self.cfg))} exists and fits the config"
+        return describe(make_dataset(self.cfg, workers=workers, compression=compression))
+
+    def describe_data(self) -> str:
+        return describe(validate_dataset(self.cfg))
+
     def prepare(self, is_coordinator: bool) -> None:
         """Rank 0 makes a missing dataset; every rank that sees the file validates it."""
         path = dataset_path(self.cfg)
         if is_coordinator and not path.exists():
+            log.info("data.path %s is missing: making it now (as `spmd data make` would)", path)
             make_dataset(self.cfg)
         if path.exists():
             _ = self._info  # other ranks validate after the barrier, when sources are made
@@ -160,10 +198,17 @@ class OperatorTask(Task):
         return {"eval_loss": loss, "test_rel_l2": jnp.mean(rel)}
 
     def sample_outputs(self, model, batch) -> dict:
-        a, u = batch["a"][:SAMPLES_SAVED], batch["u"][:SAMPLES_SAVED]
+        # The whole (sharded) batch: a slice of it need not divide the mesh. The trainer
+        # keeps the first few examples.
+        a, u = batch["a"], batch["u"]
         pred = self.predict(model, a)
         return {"input": a[..., 0], "truth": u[..., 0], "prediction": pred[..., 0],
                 "error": (pred - u)[..., 0]}
+
+    def plot(self, out_dir, sample) -> list:
+        from spmd.plots import plot_fields
+
+        return [plot_fields(sample, Path(out_dir) / "samples.png")]
 
     def flops_per_example(self) -> float:
         """Forward + backward (3x forward): pointwise maps, spectral mixing and the real FFTs."""

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from pydantic import Field
 
-from spmd.config import MlpConfig
+from spmd.config import ModelConfig
+from spmd.data.batch import BatchField
 from spmd.data.synthetic import TeacherRegression
 from spmd.models.mlp import Mlp
-from spmd.tasks.base import BatchField, Task
+from spmd.tasks.base import Task
+
+
+class MlpConfig(ModelConfig):
+    name: Literal["mlp"] = "mlp"
+    d_in: int = Field(32, ge=1)
+    d_hidden: int = Field(128, ge=1)
+    d_out: int = Field(8, ge=1)
+    num_layers: int = Field(2, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class RegressionTask(Task):
+    Config = MlpConfig
+
     @property
     def model_cfg(self) -> MlpConfig:
         return self.cfg.model

@@ -1,0 +1,1 @@
+raise ImportError("the user project's own launch/ was imported by spmd")

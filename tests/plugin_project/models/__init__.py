@@ -1,0 +1,1 @@
+raise ImportError("the user project's own models/ was imported by spmd")
