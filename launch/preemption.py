@@ -24,6 +24,7 @@ import numpy as np
 from spmd.launch import mpi
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
+from spmd.launch.kvstore import kv_client
 
 PREEMPTED_EXIT_CODE = 75
 # The halt file in run.dir: present -> all ranks stop at the next step (job scripts write it).
@@ -31,16 +32,6 @@ HALT_FILE_NAME = "HALT"
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _DEADLINE, _HALT, _SIGNAL = 1, 2, 3  # the highest kind any rank saw names the reason
 _KIND, _SIG = 1 << 40, 1 << 32
-
-
-def _kv_client() -> Any:
-    """The jax.distributed client, if initialized (private API; None when it moves)."""
-    try:
-        from jax._src import distributed
-
-        return distributed.global_state.client
-    except (ImportError, AttributeError):
-        return None
 
 
 class PreemptionWatcher:
@@ -119,7 +110,7 @@ class PreemptionWatcher:
                 text = mpi.bcast_str(self.comm, text, code % _SIG, self.timeout_s, self.env.who,
                                      "share the stop reason")
             return code, text
-        client = _kv_client()
+        client = kv_client()
         if client is None:
             raise LaunchError(f"{self.env.who}: PreemptionWatcher needs MPI or an initialized "
                               f"jax.distributed for {self.env.size} ranks; call bootstrap() first")

@@ -15,8 +15,17 @@ from spmd.sharding.rules import RuleTable
 
 
 def path_str(path: tuple) -> str:
-    """`('layers', 0, 'mlp', 'up', 'kernel')` -> `layers/0/mlp/up/kernel`."""
-    return "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+    """`('layers', 0, 'mlp', 'up', 'kernel')` -> `layers/0/mlp/up/kernel`.
+
+    Takes nnx paths and jax key paths alike (DictKey.key, GetAttrKey.name, SequenceKey.idx).
+    """
+    def part(p) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(p, attr):
+                return str(getattr(p, attr))
+        return str(p)
+
+    return "/".join(part(p) for p in path)
 
 
 @dataclass(frozen=True)
@@ -53,28 +62,23 @@ def logical_axes_of(variable: nnx.Variable, path: str) -> tuple[str | None, ...]
     return tuple(axes)
 
 
+def resolve_param(path: tuple, variable: nnx.Variable, rules: RuleTable,
+                  mesh: Mesh) -> ParamSharding:
+    """One Variable's resolved placement (errors name its path)."""
+    name = path_str(path)
+    value = variable.get_value()
+    axes = logical_axes_of(variable, name)
+    spec = logical_to_spec(axes, rules, dict(mesh.shape), shape=value.shape, path=name)
+    return ParamSharding(name, tuple(value.shape), str(value.dtype), axes, spec)
+
+
 def resolve_params(state: nnx.State, rules: RuleTable, mesh: Mesh) -> list[ParamSharding]:
     """Every Variable in `state` with its resolved spec, in a stable path order."""
-    out = []
-    mesh_shape = dict(mesh.shape)
-    for path, variable in nnx.to_flat_state(state):
-        name = path_str(path)
-        value = variable.get_value()
-        axes = logical_axes_of(variable, name)
-        spec = logical_to_spec(axes, rules, mesh_shape, shape=value.shape, path=name)
-        out.append(ParamSharding(name, tuple(value.shape), str(value.dtype), axes, spec))
-    return out
+    return [resolve_param(path, v, rules, mesh) for path, v in nnx.to_flat_state(state)]
 
 
 def state_shardings(state: nnx.State, rules: RuleTable, mesh: Mesh) -> nnx.State:
     """An nnx.State of NamedShardings mirroring `state` (for jit out_shardings)."""
-    mesh_shape = dict(mesh.shape)
-
-    def one(path, variable):
-        name = path_str(path)
-        axes = logical_axes_of(variable, name)
-        value = variable.get_value()
-        spec = logical_to_spec(axes, rules, mesh_shape, shape=value.shape, path=name)
-        return variable.replace(NamedSharding(mesh, spec))
-
-    return nnx.map_state(one, state)
+    return nnx.map_state(
+        lambda path, v: v.replace(NamedSharding(mesh, resolve_param(path, v, rules, mesh).spec)),
+        state)

@@ -94,3 +94,30 @@ def test_resume_on_another_process_count_continues_with_the_next_batch(tmp_path,
     assert [r["step"] for r in got_train] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in got_train], [r["loss"] for r in ref_train],
                                rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dp", "spatial"])
+def test_main_job_config_on_two_ranks_of_four_devices(tmp_path, strategy):
+    """The main job's own config on 2 x 4 devices (the common 2-node shape, scaled down):
+    evaluation and its 4-example sample must not need a batch that divides the mesh."""
+    from conftest import REPO
+
+    run_dir = tmp_path / "run"
+    result = run_spmd("run", "-n", "2", str(REPO / "configs" / "fno_darcy.yaml"),
+                      f"run.dir={run_dir}", f"data.path={tmp_path / 'darcy.h5'}",
+                      f"mesh.strategy={strategy}", "model.grid=32", "model.modes=8",
+                      "model.width=8", "model.projection=16", "data.num_train=32",
+                      "data.num_test=16", "data.eval_batches=1", "train.steps=4",
+                      "train.eval_every=2", "run.log_every=1", "run.progress=false",
+                      "checkpoint.every=0", "checkpoint.persistent_every=0",
+                      env=clean_env(JAX_NUM_CPU_DEVICES="4"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train, evals = read(run_dir)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    with np.load(run_dir / "eval_sample.npz") as sample:
+        assert sample["prediction"].shape == (4, 32, 32)
+    assert (run_dir / "plots" / "samples.png").is_file()
+    started = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert {e["size"] for e in started if e["event"] == "started"} == {2}

@@ -54,10 +54,14 @@ def test_run_ignores_an_outer_launchers_rank_variables():
 
 
 def test_run_without_mpiexec_says_how_to_install(tmp_path):
+    # A python whose directory holds no mpiexec, with PATH holding none either. The symlinked
+    # base interpreter loses a virtualenv's site-packages, so they go on PYTHONPATH (this
+    # works for a venv and for a system Python alike).
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python").symlink_to(os.path.realpath(sys.executable))
-    env = clean_env(PATH=str(bindir))  # no mpiexec anywhere
+    site_dirs = [p for p in sys.path if p.endswith("-packages")]
+    env = clean_env(PATH=str(bindir), PYTHONPATH=os.pathsep.join([str(REPO), *site_dirs]))
     result = subprocess.run([str(bindir / "python"), "-m", "spmd.cli", "run", "-n", "2", MLP],
                             capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
     assert result.returncode == 2, result.stderr

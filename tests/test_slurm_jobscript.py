@@ -113,10 +113,19 @@ def test_usr1_is_forwarded_to_every_rank_and_job_requeued(slurm_cluster, tmp_pat
 
 
 def test_spmd_train_two_ranks_to_completion(slurm_cluster, tmp_path):  # noqa: F811
+    """The usual habit: render to a file, then `sbatch` it by hand (run.dir does not exist)."""
     run_dir = tmp_path / "run"
-    (job,) = spmd_jobscript(slurm_cluster, str(CONFIG), "--system", "slurm", "--nodes", "1",
-                            "--time", "5", "--ranks-per-node", "2", *CPU_ENV, "--submit",
-                            f"run.dir={run_dir}", "train.steps=6", "run.progress=false")
+    r = subprocess.run([sys.executable, "-m", "spmd.cli", "jobscript", str(CONFIG), "--system",
+                        "slurm", "--nodes", "1", "--time", "5", "--ranks-per-node", "2",
+                        *CPU_ENV, f"run.dir={run_dir}", "train.steps=6", "run.progress=false"],
+                       cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "job.sh"
+    script.write_text(r.stdout)
+    sbatch = slurm_cluster.run("sbatch", "--parsable", str(script), cwd=tmp_path)
+    job = sbatch.stdout.strip().split(";")[0]
+    assert job.isdigit(), sbatch.stdout
     try:
         info = slurm_cluster.wait_finished(job, timeout=240)
         assert info["JobState"] == "COMPLETED", slurm_cluster.describe(job, info)

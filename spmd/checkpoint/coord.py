@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spmd.checkpoint.api import CheckpointError
+from spmd.launch.kvstore import kv_client
 
 Decide = Callable[[list[dict]], dict]
 
@@ -35,12 +36,11 @@ def ranks_text(ranks: list[int], limit: int = 16) -> str:
 
 
 def _kv_client() -> Any:
-    from jax._src.distributed import global_state
-
-    if global_state.client is None:
+    client = kv_client()
+    if client is None:
         raise CheckpointError("checkpoint agreement needs jax.distributed to be initialized "
                               "when there is more than one process")
-    return global_state.client
+    return client
 
 
 class Coordinator:

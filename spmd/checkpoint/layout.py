@@ -22,20 +22,16 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmd.sharding import path_str
+
 Key = tuple[tuple[int, int], ...]      # (start, stop) per dimension
 PieceId = tuple[int, Key]              # (leaf number, key)
 
 
 def leaf_paths(tree: Any) -> list[str]:
     """'params/dense/kernel'-style names of the leaves, in flattening order."""
-    def name(k: Any) -> str:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                return str(getattr(k, attr))
-        return str(k)
-
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return ["/".join(name(k) for k in path) for path, _ in flat]
+    return [path_str(path) for path, _ in flat]
 
 
 def index_key(index: tuple[slice, ...], shape: Sequence[int]) -> Key:

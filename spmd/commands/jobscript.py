@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     for note in req.notes:
         print(f"spmd jobscript: note: {note}", file=sys.stderr)
     if not (args.submit or args.chain or args.output):
+        # The scheduler opens its output file in run.dir before the script runs: make it now,
+        # so that `spmd jobscript ... > job.sh && sbatch job.sh` works.
+        req.run_dir.mkdir(parents=True, exist_ok=True)
         sys.stdout.write(render(req))
         return 0
     path = write_script(req)
