@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from spmd.launch import coordinator, devices, mpi
+from spmd.launch import coordinator, devices, mpi, watchdog
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
 
@@ -85,6 +85,7 @@ def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
     environ = os.environ if environ is None else environ
     comm = mpi.world(environ)
     env = resolve_launch_env(environ, comm, timeout_s=init_timeout_s)
+    watchdog.watch_launcher(environ, env.who)  # `spmd run` gone -> this rank ends (<= 1 s)
     device_plan = devices.plan(env, environ)
     addr, source = coordinator.choose(env, comm, environ, init_timeout_s)
     env = replace(env, coordinator=addr, sources={**env.sources, "coordinator": source})

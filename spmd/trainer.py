@@ -21,6 +21,7 @@ from spmd.launch import (
     bootstrap,
     job_end_time,
 )
+from spmd.lease import RunLease
 from spmd.mesh import build_mesh
 from spmd.metrics import EventLog, JsonlWriter, Progress, setup_logging
 from spmd.runtime import Runtime, build_runtime
@@ -156,16 +157,24 @@ def train(cfg: Config, debug: bool = False) -> int:
     env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                     heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, env.rank, debug)
-    if env.rank == 0:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    events = EventLog(run_dir / "events.jsonl", env.rank)
-    events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
-                restart_count=env.restart_count, job_id=env.job_id)
+    lease, events = None, None
     try:
+        # One writer per run.dir: rank 0 leases it before writing there; refused -> all exit 2.
+        lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
+                                 cfg.launch.barrier_timeout_s)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(run_dir, env.rank, debug)
+        if env.rank == 0:
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        events = EventLog(run_dir / "events.jsonl", env.rank)
+        lease.start(events)  # logs acquire / take-over; heartbeat thread while training
+        events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
+                    restart_count=env.restart_count, job_id=env.job_id)
         return run_training(cfg, env, events)
     finally:
-        events.close()
         if env.size > 1:
             jax.distributed.shutdown()
+        if lease is not None:
+            lease.release(events)  # clean finish, preemption (75) or error: all ranks are done
+        if events is not None:
+            events.close()
