@@ -20,6 +20,7 @@ from spmd.launch import (
     PreemptionWatcher,
     bootstrap,
     job_end_time,
+    shutdown,
 )
 from spmd.lease import RunLease
 from spmd.mesh import build_mesh
@@ -173,7 +174,7 @@ def train(cfg: Config, debug: bool = False) -> int:
         return run_training(cfg, env, events)
     finally:
         if env.size > 1:
-            jax.distributed.shutdown()
+            shutdown()  # jax.distributed.shutdown, after disarming the peer watchdog
         if lease is not None:
             lease.release(events)  # clean finish, preemption (75) or error: all ranks are done
         if events is not None:

@@ -73,7 +73,8 @@ def flavor_args(mpiexec: Path) -> list[str]:
         raise SpmdError(f"{mpiexec} --version failed ({e}); is this MPI installed correctly?"
                         ) from None
     if "HYDRA" in version:  # MPICH / Intel MPI: fork locally, never via srun or ssh
-        return ["-launcher", "fork"]
+        # The ranks' watchdogs end the survivors of a lost rank themselves, naming it.
+        return ["-launcher", "fork", "-disable-auto-cleanup"]
     if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
         return ["--oversubscribe", "--bind-to", "none"]
     return []
