@@ -283,7 +283,7 @@ class RunLease:
             except OSError as e:
                 log.warning("could not refresh the heartbeat of %s: %s", self.path, e)
 
-    def release(self, events: Any = None) -> None:
+    def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours (rank 0; idempotent)."""
         self._stop.set()
         if self._thread is not None:
@@ -294,8 +294,7 @@ class RunLease:
         got = read_lease(self.path)
         if got is not None and got[0].token == self.me.token:
             self.path.unlink(missing_ok=True)
-            if events is not None:
-                events.emit("lease_released", path=str(self.path))
+            log.info("released the lease %s", self.path)
         self.me = None
 
 

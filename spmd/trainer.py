@@ -168,14 +168,14 @@ def train(cfg: Config, debug: bool = False) -> int:
         if env.rank == 0:
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
         events = EventLog(run_dir / "events.jsonl", env.rank)
-        lease.start(events)  # logs acquire / take-over; heartbeat thread while training
         events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
                     restart_count=env.restart_count, job_id=env.job_id)
+        lease.start(events)  # logs acquire / take-over; heartbeat thread while training
         return run_training(cfg, env, events)
     finally:
         if env.size > 1:
             shutdown()  # jax.distributed.shutdown, after disarming the peer watchdog
         if lease is not None:
-            lease.release(events)  # clean finish, preemption (75) or error: all ranks are done
+            lease.release()  # clean finish, preemption (75) or error: all ranks are done
         if events is not None:
             events.close()

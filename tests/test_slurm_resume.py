@@ -94,7 +94,6 @@ def test_signalled_job_saves_requeues_and_resumes_bit_identical(slurm_cluster, t
         (acquired_0, acquired_1) = [e["holder"] for e in events(preempted_dir, "lease_acquired")]
         assert (acquired_0["job_id"], acquired_0["restart_count"]) == (job, 0)
         assert (acquired_1["job_id"], acquired_1["restart_count"]) == (job, 1)
-        assert len(events(preempted_dir, "lease_released")) == 2
         assert not events(preempted_dir, "lease_taken_over")
         assert not (preempted_dir / "lease.json").exists()
         info = slurm_cluster.wait_finished(plain, timeout=300)
