@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from spmd.launch import coordinator, devices, mpi
+from spmd.launch import coordinator, devices, mpi, watchdog
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
 
@@ -85,12 +85,37 @@ def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
     environ = os.environ if environ is None else environ
     comm = mpi.world(environ)
     env = resolve_launch_env(environ, comm, timeout_s=init_timeout_s)
+    watchdog.watch_launcher(environ, env.who)  # `spmd run` gone -> this rank ends (<= 1 s)
     device_plan = devices.plan(env, environ)
     addr, source = coordinator.choose(env, comm, environ, init_timeout_s)
     env = replace(env, coordinator=addr, sources={**env.sources, "coordinator": source})
     devices.apply(device_plan, environ)
+    if comm is not None and env.size > 1 and comm.Get_size() == env.size:
+        _watch_local_peers(env, comm, init_timeout_s)
     if env.size > 1:
         _initialize(env, device_plan.local_device_ids, init_timeout_s, heartbeat_timeout_s,
                     shutdown_timeout_s or init_timeout_s)
     _current.update(env=env, comm=comm, plan=device_plan)
     return env
+
+
+def _watch_local_peers(env: LaunchEnv, comm: Any, timeout_s: float) -> None:
+    """Learn (host, pid, start time) of every rank; watch the other ranks on this host."""
+    me = f"{env.hostname} {os.getpid()} {watchdog.process_start_time(os.getpid()) or ''}"
+    entries = mpi.allgather_str(comm, me, timeout_s, env.who, "exchange process ids")
+    peers = {}
+    for rank, entry in enumerate(entries):
+        host, pid, start = (entry.split(" ") + ["", "", ""])[:3]
+        if rank != env.rank and host == env.hostname and pid.isdigit():
+            peers[rank] = (int(pid), int(start) if start.isdigit() else None)
+    if peers:
+        job_key = "-".join(entries[0].split(" ")).replace("/", "_")  # rank 0's host-pid-start
+        watchdog.watch_peers(peers, env.rank, env.hostname, env.who, job_key)
+
+
+def shutdown() -> None:
+    """Stop watching peers, then jax.distributed.shutdown (a barrier of all ranks)."""
+    import jax
+
+    watchdog.disarm_peers()
+    jax.distributed.shutdown()

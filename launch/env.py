@@ -71,6 +71,12 @@ def _restart_count(v: schedulers.Vars) -> tuple[int, str]:
     return got if got else (0, "default (no SPMD_RESTART_COUNT/SLURM_RESTART_COUNT)")
 
 
+def job_identity(environ: Mapping[str, str]) -> tuple[str | None, int]:
+    """(job id, restart count) as `resolve_launch_env` reads them, for tools outside a rank."""
+    v = schedulers.Vars(environ)
+    return _job_id(v)[0], _restart_count(v)[0]
+
+
 def _apply_overrides(f: schedulers.Found, v: schedulers.Vars) -> None:
     for attr, var in (("local_rank", "SPMD_LOCAL_RANK"), ("local_size", "SPMD_LOCAL_SIZE"),
                       ("node_id", "SPMD_NODE_ID")):

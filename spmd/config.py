@@ -25,6 +25,8 @@ class RunConfig(_Section):
     log_every: int = Field(1, ge=1)
     progress: bool = True
     plots: bool = True        # rank 0 writes run.dir/plots/*.png when training ends
+    # A run.dir lease held from another host without a heartbeat this long is taken over.
+    lease_stale_s: float = Field(300.0, gt=0)
 
 
 class ModelConfig(BaseModel):

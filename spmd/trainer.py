@@ -20,7 +20,15 @@ from jax.experimental import multihost_utils
 from spmd.checkpoint import make_checkpointer
 from spmd.config import Config
 from spmd.hooks import Hook, HookFn, StepInfo
-from spmd.launch import HALT_FILE_NAME, LaunchEnv, PreemptionWatcher, bootstrap, job_end_time
+from spmd.launch import (
+    HALT_FILE_NAME,
+    LaunchEnv,
+    PreemptionWatcher,
+    bootstrap,
+    job_end_time,
+    shutdown,
+)
+from spmd.lease import RunLease
 from spmd.mesh import build_mesh
 from spmd.metrics import EventLog, setup_logging
 from spmd.runtime import Runtime, build_runtime
@@ -60,19 +68,27 @@ class Trainer:
         env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                         heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
         run_dir = Path(cfg.run.dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        setup_logging(run_dir, env.rank, debug)
-        if env.rank == 0:
-            (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        events = EventLog(run_dir / "events.jsonl", env.rank)
-        events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
-                    restart_count=env.restart_count, job_id=env.job_id, task=cfg.task)
+        lease, events = None, None
         try:
+            # One writer per run.dir: rank 0 leases it before writing there; refused: all exit 2.
+            lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
+                                     cfg.launch.barrier_timeout_s)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            setup_logging(run_dir, env.rank, debug)
+            if env.rank == 0:
+                (run_dir / "config.yaml").write_text(cfg.to_yaml())
+            events = EventLog(run_dir / "events.jsonl", env.rank)
+            events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
+                        restart_count=env.restart_count, job_id=env.job_id, task=cfg.task)
+            lease.start(events)  # logs the acquisition or take-over; heartbeat while training
             return self.fit(env, events)
         finally:
-            events.close()
             if env.size > 1:
-                jax.distributed.shutdown()
+                shutdown()  # jax.distributed.shutdown, after disarming the peer watchdog
+            if lease is not None:
+                lease.release()  # finished, preempted (75) or failed: every rank is done
+            if events is not None:
+                events.close()
 
     def build(self, env: LaunchEnv) -> Runtime:
         """The task's one-time preparation (rank 0), then every sharding and jitted step."""

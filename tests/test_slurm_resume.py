@@ -89,6 +89,13 @@ def test_signalled_job_saves_requeues_and_resumes_bit_identical(slurm_cluster, t
         restored = events(preempted_dir, "restored")
         assert {(e["rank"], e["step"], e["source"]) for e in restored} == {
             (0, stop_step, "local"), (1, stop_step, "local")}, restored
+        # The lease: the preempted attempt released it on its way out (status 75), and the
+        # requeued attempt (same job, restart 1) took it without waiting for any staleness.
+        (acquired_0, acquired_1) = [e["holder"] for e in events(preempted_dir, "lease_acquired")]
+        assert (acquired_0["job_id"], acquired_0["restart_count"]) == (job, 0)
+        assert (acquired_1["job_id"], acquired_1["restart_count"]) == (job, 1)
+        assert not events(preempted_dir, "lease_taken_over")
+        assert not (preempted_dir / "lease.json").exists()
         info = slurm_cluster.wait_finished(plain, timeout=300)
         assert info["JobState"] == "COMPLETED", slurm_cluster.describe(plain, info)
         assert final(preempted_dir) == final(plain_dir)

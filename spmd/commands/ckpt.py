@@ -27,9 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def tiers(run_dir: Path) -> tuple[Path, Path]:
-    """(local_dir, persistent_dir) of a run, from its config.yaml (run.dir taken as RUN_DIR)."""
-    from spmd.checkpoint.policy import tier_dirs
+def _config(run_dir: Path):
     from spmd.config import load_config
 
     config = run_dir / "config.yaml"
@@ -37,8 +35,14 @@ def tiers(run_dir: Path) -> tuple[Path, Path]:
         raise SpmdError(f"{config} does not exist: RUN_DIR must be a run directory written by "
                         "`spmd train` (it holds config.yaml)")
     cfg = load_config(config)
-    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": run_dir})})
-    return tier_dirs(cfg)
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": run_dir})})
+
+
+def tiers(run_dir: Path) -> tuple[Path, Path]:
+    """(local_dir, persistent_dir) of a run, from its config.yaml (run.dir taken as RUN_DIR)."""
+    from spmd.checkpoint.policy import tier_dirs
+
+    return tier_dirs(_config(run_dir))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,8 +59,11 @@ def _size(n: int) -> str:
 
 def _ls(args: argparse.Namespace) -> int:
     from spmd.checkpoint.inspect import as_dict, scan_local, scan_persistent
+    from spmd.lease import LEASE_NAME, inspect_lease
 
     local_dir, persistent_dir = tiers(args.run_dir)
+    stale_s = _config(args.run_dir).run.lease_stale_s
+    lease = inspect_lease(args.run_dir, stale_s)
     local, persistent = scan_local(local_dir), scan_persistent(persistent_dir)
     latest_local = max((s.step for s in local if s.committed), default=None)
     latest_persistent = max((s.step for s in persistent if s.state == "committed"), default=None)
@@ -64,9 +71,11 @@ def _ls(args: argparse.Namespace) -> int:
         print(json.dumps({"local_dir": str(local_dir), "persistent_dir": str(persistent_dir),
                           "local": [as_dict(s) for s in local],
                           "persistent": [as_dict(s) for s in persistent],
-                          "latest": {"local": latest_local, "persistent": latest_persistent}},
-                         indent=1))
+                          "latest": {"local": latest_local, "persistent": latest_persistent},
+                          "lease": lease.to_dict() if lease else None}, indent=1))
         return 0
+    print(f"lease: {args.run_dir / LEASE_NAME}: "
+          + (lease.describe(stale_s) if lease else "none (no run is writing here)"))
     print(f"local tier: {local_dir}" + ("" if local_dir.is_dir() else "  (not visible here)"))
     for s in local:
         state = "committed" if s.committed else "NOT committed"

@@ -5,6 +5,12 @@ from `pip install 'spmd-hpc[local]'`, next to this Python or on PATH). Every P c
 ranks stand for one node (SPMD_PROCESSES_PER_NODE, default 1), so a single machine exercises
 inter-node mesh factors and partner checkpoints. SIGTERM/SIGINT/SIGUSR1/SIGUSR2 are forwarded
 to mpiexec, which forwards them to the ranks; the exit status is the ranks' (75 = preempted).
+
+Ranks never outlive this process: it exports its pid and start time (SPMD_LAUNCHER_PID,
+SPMD_LAUNCHER_START) and every rank's watchdog (spmd.launch.watchdog) ends the rank within
+about a second once it is gone, even after a SIGKILL; on Linux mpiexec also gets SIGKILL then
+(PR_SET_PDEATHSIG). Before starting anything, a run.dir whose lease a live run holds is
+refused with one line naming the holder (status 2); rank 0 still takes the lease itself.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from spmd.errors import SpmdError
+from spmd.launch.watchdog import launcher_environ
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # Per-rank variables an outer launcher may have left; inherited, they would make every local
@@ -65,7 +73,8 @@ def flavor_args(mpiexec: Path) -> list[str]:
         raise SpmdError(f"{mpiexec} --version failed ({e}); is this MPI installed correctly?"
                         ) from None
     if "HYDRA" in version:  # MPICH / Intel MPI: fork locally, never via srun or ssh
-        return ["-launcher", "fork"]
+        # The ranks' watchdogs end the survivors of a lost rank themselves, naming it.
+        return ["-launcher", "fork", "-disable-auto-cleanup"]
     if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
         return ["--oversubscribe", "--bind-to", "none"]
     return []
@@ -75,8 +84,32 @@ def child_env(ppn: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_STALE_PREFIXES) and k not in _STALE_NAMES}
     env["SPMD_PROCESSES_PER_NODE"] = str(ppn)
+    env.update(launcher_environ())
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when this process dies (Linux prctl)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def check_lease(config: str, overrides: list[str]) -> None:
+    """Refuse at once (LeaseHeld, status 2) when a live run holds the config's run.dir."""
+    from spmd.config import load_config
+    from spmd.lease import LEASE_NAME, LeaseHeld, inspect_lease, refusal
+
+    cfg = load_config(config, overrides)
+    state = inspect_lease(cfg.run.dir, cfg.run.lease_stale_s)
+    if state is not None and not state.stale:
+        raise LeaseHeld(refusal(cfg.run.dir / LEASE_NAME, state.holder,
+                                time.time() - state.heartbeat_age_s, cfg.run.lease_stale_s))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,12 +118,15 @@ def run(args: argparse.Namespace) -> int:
     if args.ppn < 1 or args.n % args.ppn:
         raise SpmdError(f"spmd run: --ppn {args.ppn} does not divide -n {args.n} into equal nodes")
     mpiexec = find_mpiexec()
+    if args.entry == "train":
+        check_lease(args.config, args.overrides)
     rank_cmd = [sys.executable, "-m", "spmd.cli", *(["--debug"] if args.debug else []),
                 args.entry, args.config, *args.overrides]
     cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec), *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
-    proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True)
+    proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def forward(signum: int, frame: object) -> None:
         try:
