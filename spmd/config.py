@@ -211,6 +211,8 @@ def config_from_dict(raw: dict, source: str = "<config>", task: type | None = No
     if not isinstance(model_raw, dict):
         raise ConfigError(f"{source}: model: must be a mapping of the task's model keys, "
                           f"got {type(model_raw).__name__}")
+    if "name" in model_raw and model_raw["name"] is None:  # a dumped Config() without a task
+        model_raw = {k: v for k, v in model_raw.items() if k != "name"}
     try:
         cls = task or resolve_task(raw.get("task"), model_raw.get("name"))
     except ConfigError as e:
