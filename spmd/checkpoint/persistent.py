@@ -164,25 +164,36 @@ class PersistentTier:
         return bool(self.manager.should_save(step))
 
     def start_save(self, step: int, state: Any) -> None:
-        """Blocking part (device-to-host copy); the writes go on in Orbax's threads."""
+        """Orbax's blocking part (its own copy of `state`); the writes go on in its threads.
+
+        Called from the checkpointer's background thread on a snapshot, never on the live
+        state: training does not wait for it.
+        """
         if step in self.manager.all_steps():
             self.delete(step)  # unverified leftover of an earlier incarnation
         args = self._ocp.args
         self.manager.save(step, args=args.StandardSave(state) if self.compress
                           else args.PyTreeSave(state), force=True)
 
-    def finish_save(self, step: int) -> dict:
-        """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0)."""
+    def finish_save(self, step: int, error: str | None = None) -> dict:
+        """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0).
+
+        `error`: this rank's save failed to start; it still votes, so no rank waits in vain.
+        """
         t0 = time.perf_counter()
         where = self.step_dir(step)
         orbax_s = 0.0
         try:
+            if error is not None:
+                raise _StartFailed(error)
             self.manager.wait_until_finished()
             orbax_s = time.perf_counter() - t0
             if not where.is_dir():
                 raise FileNotFoundError(f"{where} is missing after Orbax finished the save")
             files = checksum_files(where, self.rank, self.size)
             vote = {"ok": True, "files": files}
+        except _StartFailed as e:
+            vote = {"ok": False, "error": str(e)}
         except Exception as e:
             vote = {"ok": False, "error": f"rank {self.rank}: persistent save of step {step} to "
                                           f"{where} failed: {type(e).__name__}: {e}"}
@@ -215,6 +226,10 @@ class PersistentTier:
 
     def close(self) -> None:
         self.manager.close()
+
+
+class _StartFailed(Exception):
+    """This rank's Orbax save raised before it got going (message names rank and path)."""
 
 
 def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int) -> dict:
