@@ -117,8 +117,34 @@ class VerifiedLatestN:
         return [c.step in keep or c.step > newest for c in checkpoints]
 
 
+def use_kv_store_barriers() -> None:
+    """Make Orbax's barriers key-value-store barriers (jax.distributed client, with timeouts).
+
+    By default Orbax's `sync_global_processes` is `sync_global_devices`, a device collective:
+    run from the checkpointer's background thread while the training thread runs its own
+    collectives, ranks can order the two differently and deadlock (seen with gloo on CPU).
+    Orbax's flag `experimental_orbax_use_distributed_barrier` switches to the coordination
+    service's `wait_at_barrier`, which Orbax documents as safe from background threads. The
+    flag is process-wide; it is set whether or not absl flags were parsed.
+    """
+    from absl import flags
+
+    try:
+        flag = flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+    except KeyError:  # an Orbax without the flag: barriers stay device collectives
+        log.warning("this Orbax has no experimental_orbax_use_distributed_barrier flag; its "
+                    "barriers are device collectives")
+        return
+    flag.value = True
+    flag.present = 1   # readable before absl parses flags (we never parse them)
+
+
 class PersistentTier:
-    """One Orbax CheckpointManager plus manifests; every rank holds one."""
+    """One Orbax CheckpointManager plus manifests; every rank holds one.
+
+    Its `start_save` runs on the checkpointer's background thread (on a snapshot), so with
+    more than one process Orbax's barriers are switched to the key-value store first.
+    """
 
     def __init__(self, root: Path, rank: int, size: int, every: int, keep: int,
                  timeout_s: float, use_async: bool, coord: Coordinator, compress: bool = False):
@@ -126,6 +152,8 @@ class PersistentTier:
 
         self.root, self.rank, self.size, self.coord = root, rank, size, coord
         self._ocp, self.compress = ocp, compress
+        if size > 1:
+            use_kv_store_barriers()
         # StandardCheckpointHandler always compresses (zstd); weights barely compress (~8%)
         # and zstd costs far more CPU time than the bytes it saves cost on a parallel file
         # system, so by default the same PyTree format goes through the handler that can
