@@ -191,7 +191,12 @@ def assemble(abstract_leaves: Sequence[Any], data: dict[PieceId, np.ndarray]) ->
         index_map = x.sharding.addressable_devices_indices_map(shape)
         devices = list(index_map)
         hosts = [data[(i, index_key(index_map[d], shape))] for d in devices]
-        # never alias: `hosts` may be the checkpointer's reused buffers, refilled at each save
+        # Never alias: `hosts` may be the checkpointer's reused buffers, refilled at every
+        # save. The CPU backend wraps suitably aligned numpy memory zero-copy even with
+        # may_alias=False (measured with jax 0.10.2), so there each shard gets its own copy;
+        # elsewhere device_put is a host-to-device transfer.
+        hosts = [np.array(h, copy=True) if d.platform == "cpu" else h
+                 for h, d in zip(hosts, devices)]
         singles = jax.device_put(hosts, devices, may_alias=False)
         out.append(jax.make_array_from_single_device_arrays(shape, x.sharding, singles))
     return out

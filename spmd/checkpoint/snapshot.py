@@ -172,7 +172,9 @@ class Snapshot:
             index_map = x.sharding.addressable_devices_indices_map(shape)
             devices = list(index_map)
             hosts = [bufs[(i, index_key(index_map[d], shape))] for d in devices]
-            singles = [jax.device_put(h, d, may_alias=False) for h, d in zip(hosts, devices)]
+            # own copies (the CPU backend may wrap numpy memory zero-copy): the buffers are
+            # refilled by the next save while Orbax may still be writing these arrays
+            singles = [jax.device_put(np.array(h, copy=True), d) for h, d in zip(hosts, devices)]
             out.append(jax.make_array_from_single_device_arrays(shape, x.sharding, singles))
         jax.block_until_ready(out)
         return jax.tree.unflatten(self.owner.treedef, out)
