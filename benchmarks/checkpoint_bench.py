@@ -1,16 +1,23 @@
-"""Checkpoint costs, measured against the two things they should be compared with.
+"""Checkpoint costs, measured against the things they should be compared with.
 
 1. Blocking time of an async local-tier save vs a synchronous one of the same state
-   (target: async / sync <= 0.2): training should wait only for the device-to-host copy.
-2. Persistent-tier write throughput (Orbax save + our fsync + checksum manifest, i.e. until
+   (target: async / sync <= 0.2): training should wait only for the snapshot.
+2. Blocking time of both tiers vs Orbax's own async save (a plain `CheckpointManager`,
+   async, same state, same run; target: spmd / Orbax <= 1.0 for the local tier).
+3. Persistent-tier write throughput (Orbax save + our fsync + checksum manifest, i.e. until
    the step is committed) vs a raw sequential write + fsync of the same number of bytes to
    the same directory (target: >= 0.7).
+4. `--train-steps N`: training throughput with checkpoints every `--every` steps vs
+   checkpoints off (target >= 0.95 when every x step time >= the background write time).
+   `--model 760m` (any size of benchmarks/gpu_mfu.py's ladder) trains the real transformer.
 
-Repetitions are interleaved (async, sync, persistent, raw, then again), a warm-up round is
-not counted, and medians with min-max spread are reported. One process; on CPU the "device"
-is host memory, so the D2H copy is a memcpy.
+Repetitions are interleaved (async, sync, persistent, Orbax, raw, then again), a warm-up round
+is not counted, and medians with min-max spread are reported. One process; on CPU the
+"device" is host memory, so the D2H copy is a memcpy.
 
-    python benchmarks/checkpoint_bench.py [--mb 256] [--reps 5] [--dir DIR] [--compress]
+    python benchmarks/checkpoint_bench.py [--mb 256 | --gb 9] [--reps 5] [--dir DIR]
+        [--snapshot auto|host|pinned|device] [--compress] [--train-steps 40 --every 10]
+        [--model 760m]
     python benchmarks/checkpoint_bench.py --short      # CI: small state, never fails
 
 Prints a table, a PASS/FAIL line (full mode; exit 1 on FAIL) and, last, one JSON line.
@@ -32,6 +39,8 @@ from common import Stats, json_line, machine, paired_ratios, table  # noqa: E402
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 BLOCKING_TARGET = 0.2       # async blocking / sync blocking
+ORBAX_TARGET = 1.0          # spmd local-tier blocking / Orbax async-save blocking
+TRAIN_TARGET = 0.95         # steps/s with checkpoints / steps/s without
 THROUGHPUT_TARGET = 0.7     # persistent-tier bytes/s / raw write+fsync bytes/s
 
 
@@ -74,6 +83,31 @@ def checkpointer(root: Path, events: Events | None = None, **ck):
     return make_checkpointer(cfg, env, events)
 
 
+class OrbaxAsync:
+    """Orbax's own async save, as a user of Orbax alone would write it (no compression,
+    like the persistent tier's default), to compare blocking times with."""
+
+    def __init__(self, root: Path):
+        import orbax.checkpoint as ocp
+
+        self.ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True,
+                                                       max_to_keep=1, create=True),
+            item_handlers=ocp.PyTreeCheckpointHandler(use_compression=False))
+
+    def save(self, step: int, state) -> float:
+        t0 = time.perf_counter()
+        self.manager.save(step, args=self.ocp.args.PyTreeSave(state), force=True)
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
 def raw_write(path: Path, nbytes: int, block: bytes) -> float:
     t0 = time.perf_counter()
     with open(path, "wb") as f:
@@ -92,6 +126,18 @@ def raw_write(path: Path, nbytes: int, block: bytes) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256, help="state size in MiB (default 256)")
+    ap.add_argument("--gb", type=float, default=None,
+                    help="state size in GiB (overrides --mb; >= 8 for the GPU figure)")
+    ap.add_argument("--snapshot", default="auto", choices=("auto", "host", "pinned", "device"),
+                    help="checkpoint.snapshot for the spmd checkpointers (default auto)")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also measure training throughput over this many steps, "
+                         "checkpoints on vs off (0: skip)")
+    ap.add_argument("--every", type=int, default=10,
+                    help="checkpoint.every for the throughput measurement (default 10)")
+    ap.add_argument("--model", default=None,
+                    help="throughput on a transformer of benchmarks/gpu_mfu.py's ladder "
+                         "(e.g. 760m; 'tiny' on CPU) instead of the synthetic state")
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions (default 5)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where to write (default: a temp dir under the current directory)")
@@ -101,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.short:
         args.mb, args.reps = 16, 2
+        args.train_steps = args.train_steps or 12
+        args.every = 4
+    if args.gb is not None:
+        args.mb = int(args.gb * 1024)
     base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or Path.cwd()))
     try:
         return run(args, base)
@@ -113,14 +163,21 @@ def run(args: argparse.Namespace, base: Path) -> int:
 
     state, nbytes, where = make_state(args.mb)
     block = np.random.default_rng(1).integers(0, 255, 32 << 20, dtype=np.uint8).tobytes()
-    ck_async = checkpointer(base / "async", every=1, persistent_every=0, **{"async": True})
-    ck_sync = checkpointer(base / "sync", every=1, persistent_every=0, **{"async": False})
+    snap = {"snapshot": args.snapshot}
+    ck_async = checkpointer(base / "async", every=1, persistent_every=0, **snap,
+                            **{"async": True})
+    ck_sync = checkpointer(base / "sync", every=1, persistent_every=0, **snap, **{"async": False})
     pers_events = Events()
     ck_pers = checkpointer(base / "pers", pers_events, every=0, persistent_every=1,
-                           compress=args.compress, **{"async": True})
+                           compress=args.compress, **snap, **{"async": True})
+    abstract = _abstract(state)
+    for ck in (ck_async, ck_sync, ck_pers):   # start-up: layout, buffers (as in training)
+        ck.restore(abstract)
+    orbax = OrbaxAsync(base / "orbax")
     results: dict[str, list[float]] = {k: [] for k in (
         "async_blocking_s", "async_total_s", "sync_blocking_s", "persistent_blocking_s",
-        "persistent_total_s", "persistent_orbax_s", "persistent_bytes", "raw_s")}
+        "persistent_total_s", "persistent_orbax_s", "persistent_bytes", "raw_s",
+        "orbax_blocking_s", "orbax_total_s")}
     step = 0
     for rep in range(args.reps + 1):     # round 0 warms up (compiles, Orbax start-up)
         step += 1
@@ -143,12 +200,23 @@ def run(args: argparse.Namespace, base: Path) -> int:
         pers_bytes = sum(p.stat().st_size for p in (base / "pers" / "checkpoints" / str(step))
                          .rglob("*") if p.is_file())
         os.sync()
+        fresh = _bump(state)      # Orbax gets fresh arrays (np.asarray caches host copies)
+        jax_block(fresh)
+        t6 = time.perf_counter()
+        orbax_blocking = orbax.save(step, fresh)
+        orbax.wait()
+        orbax_total = time.perf_counter() - t6
+        del fresh
+        os.sync()
         raw = raw_write(base / "raw.bin", pers_bytes, block)
         saved = [e for e in pers_events.records if e["event"] == "saved" and e["step"] == step]
-        orbax = (t4 - t3) + saved[-1]["orbax_wait_s"]   # from save() until Orbax finished
+        # from the start of Orbax's save (in our background thread) until it finished
+        orbax_write = saved[-1]["orbax_start_s"] + saved[-1]["orbax_wait_s"]
         if rep == 0:
             continue
-        results["persistent_orbax_s"].append(orbax)
+        results["persistent_orbax_s"].append(orbax_write)
+        results["orbax_blocking_s"].append(orbax_blocking)
+        results["orbax_total_s"].append(orbax_total)
         for k, v in (("async_blocking_s", t1 - t0), ("async_total_s", t2 - t0),
                      ("sync_blocking_s", t3 - t2), ("persistent_blocking_s", t4 - t3),
                      ("persistent_total_s", t5 - t3), ("persistent_bytes", pers_bytes),
@@ -156,6 +224,9 @@ def run(args: argparse.Namespace, base: Path) -> int:
             results[k].append(v)
     for ck in (ck_async, ck_sync, ck_pers):
         ck.close()
+    orbax.close()
+    snapshot_mode = ck_async.snapshotter.mode
+    train = train_throughput(args, base, state) if args.train_steps else None
 
     def stats(values: list[float]) -> dict:
         return Stats.of(values).as_dict(4)
@@ -163,15 +234,23 @@ def run(args: argparse.Namespace, base: Path) -> int:
     ratio_blocking = paired_ratios(results["async_blocking_s"], results["sync_blocking_s"])
     ratio_tput = paired_ratios(results["raw_s"], results["persistent_total_s"])
     ratio_orbax = paired_ratios(results["raw_s"], results["persistent_orbax_s"])
+    ratio_local_orbax = paired_ratios(results["async_blocking_s"], results["orbax_blocking_s"])
+    ratio_pers_orbax = paired_ratios(results["persistent_blocking_s"],
+                                     results["orbax_blocking_s"])
     nb = statistics.median(results["persistent_bytes"])
     blocking, tput = statistics.median(ratio_blocking), statistics.median(ratio_tput)
+    vs_orbax = statistics.median(ratio_local_orbax)
     verdict = None
     if not args.short:
-        verdict = "PASS" if blocking <= BLOCKING_TARGET and tput >= THROUGHPUT_TARGET else "FAIL"
+        ok = (blocking <= BLOCKING_TARGET and tput >= THROUGHPUT_TARGET
+              and vs_orbax <= ORBAX_TARGET
+              and (train is None or train["ratio"] >= TRAIN_TARGET or not train["write_fits"]))
+        verdict = "PASS" if ok else "FAIL"
     record = {
         "benchmark": "checkpoint", "mode": "short" if args.short else "full",
         "verdict": verdict, "machine": machine(), "state_bytes": nbytes, "devices": where,
         "reps": args.reps, "dir": str(base.parent), "compress": args.compress,
+        "snapshot": snapshot_mode, "versions": versions(),
         "async_blocking_s": stats(results["async_blocking_s"]),
         "sync_blocking_s": stats(results["sync_blocking_s"]),
         "async_total_s": stats(results["async_total_s"]),
@@ -184,10 +263,18 @@ def run(args: argparse.Namespace, base: Path) -> int:
         "throughput_ratio_persistent_over_raw": {**stats(ratio_tput),
                                                  "target": f">= {THROUGHPUT_TARGET}"},
         "throughput_ratio_orbax_write_over_raw": stats(ratio_orbax),
+        "orbax_async_blocking_s": stats(results["orbax_blocking_s"]),
+        "orbax_async_total_s": stats(results["orbax_total_s"]),
+        "blocking_ratio_local_over_orbax": {**stats(ratio_local_orbax),
+                                            "target": f"<= {ORBAX_TARGET}"},
+        "blocking_ratio_persistent_over_orbax": stats(ratio_pers_orbax),
+        "train": train,
     }
     rows = [("measure", "median", "[min, max]", "target")]
     for key in ("async_blocking_s", "sync_blocking_s", "async_total_s",
-                "persistent_blocking_s", "blocking_ratio_async_over_sync",
+                "persistent_blocking_s", "orbax_async_blocking_s", "orbax_async_total_s",
+                "blocking_ratio_async_over_sync", "blocking_ratio_local_over_orbax",
+                "blocking_ratio_persistent_over_orbax",
                 "throughput_ratio_persistent_over_raw", "throughput_ratio_orbax_write_over_raw"):
         r = record[key]
         rows.append((key, f"{r['median']:.4f}", f"[{r['min']:.4f}, {r['max']:.4f}]",
@@ -201,9 +288,97 @@ def run(args: argparse.Namespace, base: Path) -> int:
         print("short mode: timings are a smoke test, no target is checked")
     else:
         print(f"{verdict}: blocking ratio {blocking:.3f} (target <= {BLOCKING_TARGET}), "
+              f"local/Orbax blocking {vs_orbax:.3f} (target <= {ORBAX_TARGET}), "
               f"persistent/raw throughput {tput:.3f} (target >= {THROUGHPUT_TARGET})")
+    if train is not None:
+        print(f"training throughput with checkpoints every {train['every']} steps / without: "
+              f"{train['ratio']:.3f} (target >= {TRAIN_TARGET} when every x step "
+              f"{train['every'] * train['step_s_off']:.3f} s >= background write "
+              f"{train['write_s']:.3f} s: {'yes' if train['write_fits'] else 'no'}); "
+              f"blocked fraction {train['blocked_fraction']:.4f}")
     print(json_line(record))
     return 1 if verdict == "FAIL" else 0
+
+
+def _abstract(tree):
+    import jax
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+
+def _bump(tree):
+    import jax
+
+    return jax.tree.map(lambda x: x + 0, tree)
+
+
+def jax_block(tree) -> None:
+    import jax
+
+    jax.block_until_ready(tree)
+
+
+def versions() -> dict:
+    import jax
+    import orbax.checkpoint as ocp
+
+    return {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?"),
+            "backend": jax.default_backend()}
+
+
+def train_throughput(args: argparse.Namespace, base: Path, synthetic) -> dict:
+    """Steps/s of a donating train step, checkpoints (both tiers' schedule) on vs off."""
+    import jax
+
+    if args.model:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_mfu import choose
+
+        device = jax.devices()[0]
+        _, rt, compiled, _, _ = choose([args.model], [], device, 0.9)
+        state = rt.init()
+        batch = rt.feed.global_batch(rt.task.train_source(), 0)
+
+        def step_fn(s):
+            return compiled(s, batch)[0]
+    else:
+        state = jax.tree.map(lambda x: x + 0, synthetic)
+        compiled = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.999 + 0.001 if
+                                                  x.dtype.kind == "f" else x + 1, s),
+                           donate_argnums=0)
+
+        def step_fn(s):
+            return compiled(s)
+
+    n, every = args.train_steps, args.every
+    for _ in range(2):
+        state = step_fn(state)
+    jax.block_until_ready(state)
+    events = Events()
+    ck = checkpointer(base / "train", events, every=every, persistent_every=0,
+                      snapshot=args.snapshot, **{"async": True})
+    ck.restore(_abstract(state))
+    times = {"off": [], "on": []}
+    for rep in range(2):
+        for label in ("off", "on"):
+            t0 = time.perf_counter()
+            for i in range(1, n + 1):
+                state = step_fn(state)
+                if label == "on":
+                    ck.maybe_save(rep * n + i, state)
+            jax.block_until_ready(state)
+            times[label].append(time.perf_counter() - t0)
+    ck.close()
+    saved = [e for e in events.records if e["event"] == "saved"]
+    (summary,) = [e for e in events.records if e["event"] == "checkpoint_summary"]
+    off, on = min(times["off"]), min(times["on"])
+    write_s = statistics.median(e["seconds"] for e in saved) if saved else 0.0
+    return {"model": args.model or "synthetic", "steps": n, "every": every,
+            "step_s_off": round(off / n, 5), "step_s_on": round(on / n, 5),
+            "ratio": round(off / on, 4), "write_s": round(write_s, 4),
+            "write_fits": every * off / n >= write_s, "saves": len(saved),
+            "blocked_fraction": summary["blocked_fraction"]}
 
 
 if __name__ == "__main__":

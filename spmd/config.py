@@ -82,6 +82,10 @@ class CheckpointConfig(_Section):
     async_: bool = Field(True, alias="async")
     timeout_s: float = Field(600.0, gt=0)
     compress: bool = False                  # zstd in the persistent tier (Orbax's default: on)
+    # What a save blocks for: auto | host (D2H into reused host buffers) | pinned (D2H into
+    # pinned host memory) | device (on-device copy, D2H in the background). See
+    # spmd/checkpoint/snapshot.py.
+    snapshot: Literal["auto", "host", "pinned", "device"] = "auto"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -21,4 +21,13 @@ def test_checkpoint_bench_short():
                 "blocking_ratio_async_over_sync", "throughput_ratio_persistent_over_raw"):
         assert record[key]["median"] > 0, key
     assert record["persistent_MBps"] > 0 and record["raw_MBps"] > 0
+    # Orbax's own async save of the same state, measured in the same run
+    for key in ("orbax_async_blocking_s", "orbax_async_total_s",
+                "blocking_ratio_local_over_orbax", "blocking_ratio_persistent_over_orbax"):
+        assert record[key]["median"] > 0 and record[key]["n"] == 2, key
+    assert record["orbax_async_total_s"]["median"] >= record["orbax_async_blocking_s"]["median"]
+    assert record["snapshot"] == "host"          # auto on CPU
+    train = record["train"]
+    assert train["saves"] == 6 and train["step_s_off"] > 0 and train["ratio"] > 0
+    assert 0 < train["blocked_fraction"] < 1
     assert not list(REPO.glob("ckpt-bench-*")), "the benchmark left its files behind"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from spmd.errors import SpmdError
@@ -20,6 +20,9 @@ class Restored:
     state: Any
     source: str
     detail: str = ""
+    # seconds by phase: plan_s (agreeing on step and sources), read_s (files + crc32),
+    # exchange_s (pieces between ranks), h2d_s (host to device); persistent: orbax_s
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class Checkpointer(Protocol):

@@ -161,33 +161,6 @@ def _placement(sharding: Any, shape: tuple[int, ...]) -> tuple[dict[Key, set[int
     return holders, hashlib.sha256(json.dumps(sorted(placement)).encode()).hexdigest()
 
 
-def _host_copy(data: jax.Array) -> np.ndarray:
-    host = np.asarray(data)
-    # On the CPU backend np.asarray may alias the device buffer, which the next (donating)
-    # train step reuses: take a real copy there. Elsewhere asarray already is the D2H copy.
-    if data.device.platform == "cpu" or not host.flags.owndata:
-        host = np.array(host, copy=True)
-    return np.ascontiguousarray(host)
-
-
-def snapshot(leaves: Sequence[jax.Array], pieces: Sequence[Piece]) -> list[np.ndarray]:
-    """Device-to-host copies of `pieces` (all transfers started before the first wait)."""
-    chosen = []
-    for p in pieces:
-        arr = leaves[p.leaf]
-        best = None
-        for shard in arr.addressable_shards:
-            if index_key(shard.index, arr.shape) == p.key and (
-                    best is None or shard.device.id < best.device.id):
-                best = shard
-        if best is None:
-            raise RuntimeError(f"no addressable shard of leaf {p.leaf} with index {p.key}")
-        data = best.data
-        data.copy_to_host_async()
-        chosen.append(data)
-    return parallel_map(_host_copy, chosen)
-
-
 def parallel_map(fn: Any, items: Sequence[Any], threads: int = 8) -> list:
     """fn over items on a few threads (numpy copies, crc32 and file I/O release the GIL)."""
     if len(items) < 2:
@@ -214,6 +187,12 @@ def assemble(abstract_leaves: Sequence[Any], data: dict[PieceId, np.ndarray]) ->
         index_map = x.sharding.addressable_devices_indices_map(shape)
         devices = list(index_map)
         hosts = [data[(i, index_key(index_map[d], shape))] for d in devices]
-        singles = jax.device_put(hosts, devices)
+        # Never alias: `hosts` may be the checkpointer's reused buffers, refilled at every
+        # save. The CPU backend wraps suitably aligned numpy memory zero-copy even with
+        # may_alias=False (measured with jax 0.10.2), so there each shard gets its own copy;
+        # elsewhere device_put is a host-to-device transfer.
+        hosts = [np.array(h, copy=True) if d.platform == "cpu" else h
+                 for h, d in zip(hosts, devices)]
+        singles = jax.device_put(hosts, devices, may_alias=False)
         out.append(jax.make_array_from_single_device_arrays(shape, x.sharding, singles))
     return out

@@ -1,10 +1,13 @@
 """The hierarchical checkpointer the trainer talks to: when to save, async workers, honesty.
 
-`maybe_save` blocks only for the device-to-host copy of this process's pieces (local tier)
-and for Orbax's own copy (persistent tier); the writes, partner exchange, agreement and
-commit run in one background thread per tier. A save that fails anywhere is raised on every
-rank at the next `maybe_save`/`check`/`close`, naming rank and path; the failed step is
-never committed, so the previous one stays the latest.
+`maybe_save` blocks only for one snapshot of the state per step (`snapshot.py`: a
+device-to-host copy into reused host buffers, a transfer into pinned host memory, or an
+on-device copy), shared by both tiers when both save the same step. The host copy of a
+device snapshot, the writes, partner exchange, Orbax's save, agreement and commit run in one
+background thread per tier. A save that fails anywhere is raised on every rank at the next
+`maybe_save`/`check`/`close`, naming rank and path; the failed step is never committed, so
+the previous one stays the latest. `close()` emits `checkpoint_summary`: the fraction of wall
+time (creation to close) training spent blocked on, or waiting for, checkpoints.
 """
 
 from __future__ import annotations
@@ -15,16 +18,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from spmd.checkpoint.api import CheckpointError, Restored
 from spmd.checkpoint.coord import CheckpointTimeout, Coordinator
-from spmd.checkpoint.layout import SaveLayout, snapshot
+from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.local import LocalTier, partner_map
 from spmd.checkpoint.persistent import PersistentTier, persistent_error
 from spmd.checkpoint.policy import SavePolicy, tier_dirs
 from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
+from spmd.checkpoint.snapshot import Snapshot, Snapshotter
 from spmd.checkpoint.transport import Transport
 
 log = logging.getLogger("spmd.checkpoint")
@@ -128,6 +130,10 @@ class HierarchicalCheckpointer:
         self._last: dict[str, int | None] = {"local": None, "persistent": None}
         self._layout: SaveLayout | None = None
         self._closed = False
+        self.snapshotter = Snapshotter(getattr(ck, "snapshot", "auto"), self.rank, ck.timeout_s)
+        self._created = time.perf_counter()
+        self.totals = {"blocking_s": 0.0, "waited_s": 0.0, "snapshots": 0,
+                       "saves": {"local": 0, "persistent": 0}}
         if self.rank == 0:
             log.info("checkpoints: local tier %s (every %d steps, partner copies %s), persistent "
                      "tier %s (every %d steps), keep %d", local_dir if self.local else "off",
@@ -137,17 +143,30 @@ class HierarchicalCheckpointer:
     # ---------------------------------------------------------------- restore
 
     def _layout_of(self, tree: Any) -> SaveLayout:
+        """The save layout, built (and the snapshot buffers allocated) on first sight."""
         if self._layout is None:
             self._layout = SaveLayout.build(tree, self.size, self.dedupe)
+            self.snapshotter.prepare(self._layout, tree, local=self.local is not None,
+                                     persistent=self.persistent is not None)
+            if self.rank == 0:
+                buffers = self.snapshotter.buffers
+                self._emit("checkpoint_snapshot", mode=self.snapshotter.mode,
+                           why=self.snapshotter.why,
+                           host_buffer_bytes=buffers.nbytes if buffers else 0,
+                           prepare_s=round(self.snapshotter.prepare_s, 4))
         return self._layout
 
     def restore(self, abstract_state: Any) -> Restored | None:
         layout = self._layout_of(abstract_state)
+        buffers = self.snapshotter.buffers.arrays if self.snapshotter.buffers else {}
         ctx = RestoreContext(self.rank, self.size, self._main, layout, self.local,
-                             self.persistent, self.transport, self._emit)
+                             self.persistent, self.transport, self._emit, buffers)
         restored = plan_restore(ctx, abstract_state)
         if restored is None:
             return None
+        if self.rank == 0:
+            self._emit("restore_timing", step=restored.step, source=restored.source,
+                       **{k: round(v, 4) for k, v in restored.timings.items()})
         step = restored.step
         if self.local is not None:
             for s in self.local.drop_newer(step):
@@ -176,31 +195,60 @@ class HierarchicalCheckpointer:
                      and self._last["local"] != step)
         persistent_due = (self.persistent is not None and self.policy.persistent_due(step, force)
                           and self._last["persistent"] != step)
-        if local_due:
-            self._save_local(step, state)
+        if not (local_due or persistent_due):
+            return
+        t0 = time.perf_counter()
+        if local_due:        # one save per tier in flight at a time
+            self._workers["local"].wait(self.timeout_s, self.rank)
         if persistent_due:
-            self._save_persistent(step, state)
+            self._workers["persistent"].wait(self.timeout_s, self.rank)
+        waited = time.perf_counter() - t0
+        self._layout_of(state)
+        try:
+            snap, waited_snap, blocking = self.snapshotter.take(
+                step, state, int(local_due) + int(persistent_due))
+        except TimeoutError as e:
+            raise CheckpointTimeout(str(e)) from e
+        except Exception as e:
+            raise CheckpointError(f"rank {self.rank}: snapshot ({self.snapshotter.mode}) of "
+                                  f"step {step} failed: {type(e).__name__}: {e}") from e
+        waited += waited_snap
+        self.totals["blocking_s"] += blocking
+        self.totals["waited_s"] += waited
+        self.totals["snapshots"] += 1
+        timing = {"blocking_s": round(blocking, 4), "waited_s": round(waited, 4),
+                  "snapshot": snap.mode, "shared": local_due and persistent_due}
+        if local_due:
+            self.totals["saves"]["local"] += 1
+            self._save_local(step, snap, timing)
+        if persistent_due:
+            self.totals["saves"]["persistent"] += 1
+            self._save_persistent(step, snap, timing)
         if not self.use_async:
             self.check()
 
-    def _save_local(self, step: int, state: Any) -> None:
+    def _save_local(self, step: int, snap: Snapshot, timing: dict) -> None:
         worker = self._workers["local"]
-        t0 = time.perf_counter()
-        worker.wait(self.timeout_s, self.rank)  # one local save in flight at a time
-        waited = time.perf_counter() - t0
-        layout = self._layout_of(state)
+        layout = self._layout
+        assert layout is not None and self.local is not None
         pieces = layout.writes(self.rank)
-        t1 = time.perf_counter()
-        arrays = snapshot(jax.tree.leaves(state), pieces)
-        blocking = time.perf_counter() - t1
+        pids = [(p.leaf, p.key) for p in pieces]
         self._last["local"] = step
         tag = step % (1 << 21)
         mode = "async" if self.use_async else "sync"  # sync: maybe_save also waits for the job
-        assert self.local is not None
         local = self.local
 
         def job() -> None:
-            vote = local.write(step, layout, pieces, arrays, self.transport, tag)
+            try:
+                try:
+                    arrays = snap.pieces(pids)
+                except Exception as e:
+                    vote = {"ok": False, "error": f"rank {self.rank}: host copy of the snapshot "
+                                                  f"of step {step} failed: {type(e).__name__}: {e}"}
+                else:
+                    vote = local.write(step, layout, pieces, arrays, self.transport, tag)
+            finally:
+                snap.release()
             decision = self._local_coord.agree(f"commit step {step} to the local tier", vote,
                                                _decide_local)
             if not decision["ok"]:
@@ -217,31 +265,34 @@ class HierarchicalCheckpointer:
             dropped = local.prune(self.keep, step, decision["safe"])
             if self.rank == 0:
                 self._emit("saved", tier="local", step=step, mode=mode, bytes=decision["bytes"],
-                           seconds=round(decision["seconds"], 4), blocking_s=round(blocking, 4),
-                           waited_s=round(waited, 4), partner=self.partner, dropped=dropped)
+                           seconds=round(decision["seconds"], 4), **timing,
+                           partner=self.partner, dropped=dropped)
 
         worker.submit(step, job)
         if not self.use_async:
             worker.wait(self.timeout_s, self.rank)
 
-    def _save_persistent(self, step: int, state: Any) -> None:
+    def _save_persistent(self, step: int, snap: Snapshot, timing: dict) -> None:
         assert self.persistent is not None
         persistent = self.persistent
         worker = self._workers["persistent"]
-        worker.wait(self.timeout_s, self.rank)
-        t0 = time.perf_counter()
-        try:
-            persistent.start_save(step, state)
-        except Exception as e:
-            raise CheckpointError(f"rank {self.rank}: persistent save of step {step} to "
-                                  f"{persistent.step_dir(step)} failed to start: "
-                                  f"{type(e).__name__}: {e}") from e
-        blocking = time.perf_counter() - t0
         self._last["persistent"] = step
         mode = "async" if self.use_async else "sync"
 
         def job() -> None:
-            decision = persistent.finish_save(step)
+            error = None
+            t0 = time.perf_counter()
+            try:
+                arrays = snap.arrays()
+                persistent.start_save(step, arrays)   # Orbax's copy of the snapshot
+                del arrays
+            except Exception as e:
+                error = (f"rank {self.rank}: persistent save of step {step} to "
+                         f"{persistent.step_dir(step)} failed to start: {type(e).__name__}: {e}")
+            finally:
+                snap.release()
+            started = time.perf_counter() - t0
+            decision = persistent.finish_save(step, error)
             if not decision["ok"]:
                 if self.rank == 0:
                     self._emit("save_failed", tier="persistent", step=step,
@@ -251,8 +302,8 @@ class HierarchicalCheckpointer:
                 self._emit("saved", tier="persistent", step=step, mode=mode,
                            bytes=decision["bytes"],
                            files=decision["files"], seconds=round(decision["seconds"], 4),
-                           orbax_wait_s=round(decision["orbax_s"], 4),
-                           blocking_s=round(blocking, 4))
+                           orbax_start_s=round(started, 4),
+                           orbax_wait_s=round(decision["orbax_s"], 4), **timing)
 
         worker.submit(step, job)
         if not self.use_async:
@@ -275,6 +326,17 @@ class HierarchicalCheckpointer:
         if errors:
             raise errors[0]
 
+    def summary(self) -> dict:
+        """Blocking and waiting totals since creation, and their fraction of wall time."""
+        wall = time.perf_counter() - self._created
+        t = self.totals
+        stalled = t["blocking_s"] + t["waited_s"]
+        return {"wall_s": round(wall, 3), "blocking_s": round(t["blocking_s"], 4),
+                "waited_s": round(t["waited_s"], 4),
+                "blocked_fraction": round(stalled / wall, 6) if wall > 0 else 0.0,
+                "snapshots": t["snapshots"], "saves": dict(t["saves"]),
+                "snapshot": self.snapshotter.mode or None}
+
     def close(self) -> None:
         if self._closed:
             return
@@ -282,6 +344,14 @@ class HierarchicalCheckpointer:
         try:
             self.wait()
         finally:
+            summary = self.summary()
+            log.info("checkpoints blocked training for %.3f s and made it wait %.3f s: %.2f%% "
+                     "of %.1f s wall time (%d local, %d persistent saves)",
+                     summary["blocking_s"], summary["waited_s"],
+                     100 * summary["blocked_fraction"], summary["wall_s"],
+                     summary["saves"]["local"], summary["saves"]["persistent"])
+            if self.rank == 0:
+                self._emit("checkpoint_summary", **summary)
             if self.persistent is not None and not any(w.busy() for w in self._workers.values()):
                 try:
                     self.persistent.close()

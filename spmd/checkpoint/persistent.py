@@ -117,8 +117,34 @@ class VerifiedLatestN:
         return [c.step in keep or c.step > newest for c in checkpoints]
 
 
+def use_kv_store_barriers() -> None:
+    """Make Orbax's barriers key-value-store barriers (jax.distributed client, with timeouts).
+
+    By default Orbax's `sync_global_processes` is `sync_global_devices`, a device collective:
+    run from the checkpointer's background thread while the training thread runs its own
+    collectives, ranks can order the two differently and deadlock (seen with gloo on CPU).
+    Orbax's flag `experimental_orbax_use_distributed_barrier` switches to the coordination
+    service's `wait_at_barrier`, which Orbax documents as safe from background threads. The
+    flag is process-wide; it is set whether or not absl flags were parsed.
+    """
+    from absl import flags
+
+    try:
+        flag = flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+    except KeyError:  # an Orbax without the flag: barriers stay device collectives
+        log.warning("this Orbax has no experimental_orbax_use_distributed_barrier flag; its "
+                    "barriers are device collectives")
+        return
+    flag.value = True
+    flag.present = 1   # readable before absl parses flags (we never parse them)
+
+
 class PersistentTier:
-    """One Orbax CheckpointManager plus manifests; every rank holds one."""
+    """One Orbax CheckpointManager plus manifests; every rank holds one.
+
+    Its `start_save` runs on the checkpointer's background thread (on a snapshot), so with
+    more than one process Orbax's barriers are switched to the key-value store first.
+    """
 
     def __init__(self, root: Path, rank: int, size: int, every: int, keep: int,
                  timeout_s: float, use_async: bool, coord: Coordinator, compress: bool = False):
@@ -126,6 +152,8 @@ class PersistentTier:
 
         self.root, self.rank, self.size, self.coord = root, rank, size, coord
         self._ocp, self.compress = ocp, compress
+        if size > 1:
+            use_kv_store_barriers()
         # StandardCheckpointHandler always compresses (zstd); weights barely compress (~8%)
         # and zstd costs far more CPU time than the bytes it saves cost on a parallel file
         # system, so by default the same PyTree format goes through the handler that can
@@ -164,25 +192,36 @@ class PersistentTier:
         return bool(self.manager.should_save(step))
 
     def start_save(self, step: int, state: Any) -> None:
-        """Blocking part (device-to-host copy); the writes go on in Orbax's threads."""
+        """Orbax's blocking part (its own copy of `state`); the writes go on in its threads.
+
+        Called from the checkpointer's background thread on a snapshot, never on the live
+        state: training does not wait for it.
+        """
         if step in self.manager.all_steps():
             self.delete(step)  # unverified leftover of an earlier incarnation
         args = self._ocp.args
         self.manager.save(step, args=args.StandardSave(state) if self.compress
                           else args.PyTreeSave(state), force=True)
 
-    def finish_save(self, step: int) -> dict:
-        """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0)."""
+    def finish_save(self, step: int, error: str | None = None) -> dict:
+        """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0).
+
+        `error`: this rank's save failed to start; it still votes, so no rank waits in vain.
+        """
         t0 = time.perf_counter()
         where = self.step_dir(step)
         orbax_s = 0.0
         try:
+            if error is not None:
+                raise _StartFailed(error)
             self.manager.wait_until_finished()
             orbax_s = time.perf_counter() - t0
             if not where.is_dir():
                 raise FileNotFoundError(f"{where} is missing after Orbax finished the save")
             files = checksum_files(where, self.rank, self.size)
             vote = {"ok": True, "files": files}
+        except _StartFailed as e:
+            vote = {"ok": False, "error": str(e)}
         except Exception as e:
             vote = {"ok": False, "error": f"rank {self.rank}: persistent save of step {step} to "
                                           f"{where} failed: {type(e).__name__}: {e}"}
@@ -215,6 +254,10 @@ class PersistentTier:
 
     def close(self) -> None:
         self.manager.close()
+
+
+class _StartFailed(Exception):
+    """This rank's Orbax save raised before it got going (message names rank and path)."""
 
 
 def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int) -> dict:

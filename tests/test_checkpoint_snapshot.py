@@ -1,0 +1,166 @@
+"""The blocking part of a save (`checkpoint.snapshot`): reused buffers, donation safety, modes.
+
+One process, 8 CPU devices. On CPU every mode is a real code path: `host` copies into the
+reused host buffers, `pinned` transfers into the CPU backend's pinned_host memory space,
+`device` makes an on-device copy and fills the host buffers in the background.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd.checkpoint import make_checkpointer
+from spmd.checkpoint.snapshot import resolve_mode
+from spmd.config import config_from_dict
+from spmd.errors import ConfigError
+
+ENV = SimpleNamespace(rank=0, size=1, node_of_rank=(0,), num_nodes=1)
+
+
+class Events:
+    def __init__(self):
+        self.records = []
+
+    def emit(self, event, **fields):
+        self.records.append({"event": event, **fields})
+
+    def of(self, name):
+        return [r for r in self.records if r["event"] == name]
+
+
+def _cfg(run_dir: Path, **ck):
+    return config_from_dict({"run": {"dir": str(run_dir)},
+                             "checkpoint": {"every": 1, "persistent_every": 2, "keep": 3, **ck}})
+
+
+def _state(mesh, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def put(x, spec):
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return {"step": put(jnp.int32(seed), P()),
+            "params": {"w": put(rng.standard_normal((64, 32), np.float32), P("data", "tensor")),
+                       "b": put(jnp.asarray(rng.standard_normal(32), jnp.bfloat16), P())},
+            "rng": put(np.array([seed, 1], np.uint32), P())}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+
+def _host(tree):
+    """Bytes of every leaf, taken before anything can touch the device buffers."""
+    return [np.array(x, copy=True) for x in jax.tree.leaves(tree)]
+
+
+def _same_bytes(tree, expected):
+    leaves = jax.tree.leaves(tree)
+    return len(leaves) == len(expected) and all(
+        np.asarray(a).tobytes() == b.tobytes() and np.asarray(a).dtype == b.dtype
+        for a, b in zip(leaves, expected))
+
+
+@jax.jit
+def _bump(state):
+    return jax.tree.map(lambda x: x * 3 + jnp.ones((), x.dtype), state)
+
+
+# donates the state it is given, like the trainer's train step
+_donating_step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + jnp.ones((), x.dtype), s),
+                         donate_argnums=0)
+
+
+@pytest.fixture
+def meshes():
+    devices = np.array(jax.devices()[:8])
+    return (jax.sharding.Mesh(devices.reshape(2, 4), ("data", "tensor")),
+            jax.sharding.Mesh(devices.reshape(8, 1), ("data", "tensor")))
+
+
+@pytest.mark.parametrize("mode", ["host", "pinned", "device"])
+def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
+        tmp_path, meshes, mode):
+    mesh, other = meshes
+    events = Events()
+    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ENV, events)
+    state = _state(mesh, seed=1)
+    assert ck.restore(_abstract(state)) is None
+    snapper = ck.snapshotter
+    # allocated at start-up (when the checkpointer first saw the layout), not in a save
+    assert snapper.mode == mode and snapper.buffers is not None
+    buffers, allocations = snapper.buffers, snapper.buffers.allocations
+    addresses = buffers.addresses()
+    if mode != "pinned":   # pinned: the local tier reads the pinned arrays themselves
+        assert allocations > 0 and len(addresses) == allocations
+
+    expected = {}
+    for step in (1, 2, 3, 4):
+        expected[step] = _host(state)
+        ck.maybe_save(step, state)
+        old = jax.tree.leaves(state)
+        state = _donating_step(state)      # right after maybe_save returns
+        assert all(x.is_deleted() for x in old), "the step did not donate the saved state"
+    ck.wait()
+    # nothing was allocated by the saves: same buffer objects at the same addresses
+    assert snapper.buffers is buffers and buffers.allocations == allocations
+    assert buffers.addresses() == addresses
+    # one snapshot per step, shared by both tiers when both saved it
+    assert ck.totals["snapshots"] == 4
+    saved = events.of("saved")
+    assert sorted((r["tier"], r["step"]) for r in saved) == [
+        ("local", 1), ("local", 2), ("local", 3), ("local", 4), ("persistent", 2),
+        ("persistent", 4)]
+    assert all(r["shared"] == (r["step"] % 2 == 0) and r["snapshot"] == mode for r in saved)
+    assert all(r["blocking_s"] >= 0 and r["waited_s"] >= 0 for r in saved)
+    ck.close()
+    (summary,) = events.of("checkpoint_summary")
+    assert summary["saves"] == {"local": 4, "persistent": 2} and summary["snapshots"] == 4
+    assert 0 < summary["blocking_s"] < summary["wall_s"]
+    assert 0 < summary["blocked_fraction"] < 1
+
+    # the committed checkpoints hold the pre-step bytes, bit for bit, in both tiers
+    events = Events()
+    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ENV, events)
+    r = ck.restore(_abstract(_state(mesh)))
+    assert (r.step, r.source) == (4, "local") and _same_bytes(r.state, expected[4])
+    (timing,) = events.of("restore_timing")
+    assert {"plan_s", "read_s", "exchange_s", "h2d_s", "total_s"} <= set(timing)
+    assert timing["read_s"] > 0 and timing["h2d_s"] > 0
+    # restored arrays do not alias the reused buffers the next save refills
+    ck.maybe_save(5, _bump(r.state))
+    ck.wait()
+    assert _same_bytes(r.state, expected[4])
+    ck.close()
+    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ENV, Events())
+    r = ck.restore(_abstract(jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(other, P())), _state(mesh))))
+    assert (r.step, r.source) == (4, "persistent") and _same_bytes(r.state, expected[4])
+    assert r.timings["orbax_s"] > 0
+    ck.close()
+
+
+def test_auto_picks_the_host_path_on_cpu_and_explicit_modes_are_kept(meshes):
+    leaves = jax.tree.leaves(_abstract(_state(meshes[0])))
+    assert resolve_mode("auto", leaves)[0] == "host"
+    for mode in ("host", "pinned", "device"):
+        assert resolve_mode(mode, leaves)[0] == mode
+    with pytest.raises(ValueError, match="checkpoint.snapshot"):
+        resolve_mode("fast", leaves)
+
+
+def test_invalid_snapshot_mode_is_a_one_line_config_error(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path, snapshot="fast")
+    message = str(e.value)
+    assert "checkpoint.snapshot" in message and "\n" not in message
+    assert "'device'" in message and "'pinned'" in message
