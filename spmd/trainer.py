@@ -112,7 +112,8 @@ class Trainer:
         restored = checkpointer.restore(rt.state.abstract)
         if restored is not None:
             state, start = restored.state, restored.step
-            events.emit("restored", step=start, source=restored.source, detail=restored.detail)
+            events.emit("restored", step=start, source=restored.source, detail=restored.detail,
+                        **{k: round(v, 4) for k, v in restored.timings.items()})
         else:
             state, start = rt.init(), 0
             events.emit("initialized", step=0)
