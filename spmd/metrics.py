@@ -24,7 +24,10 @@ def setup_logging(run_dir: Path, rank: int, debug: bool = False) -> Path:
     )
     root = logging.getLogger()
     for h in list(root.handlers):
-        if getattr(h, "_spmd", False):
+        # ours from an earlier call, and the bare stderr handler that a library's import-time
+        # logging.basicConfig leaves (orbax's does): either would print every line twice
+        if getattr(h, "_spmd", False) or (type(h) is logging.StreamHandler
+                                          and h.stream in (sys.stderr, sys.__stderr__)):
             root.removeHandler(h)
     file_handler = logging.FileHandler(path)
     file_handler.setFormatter(fmt)
