@@ -7,10 +7,11 @@ import json
 import jax
 import pytest
 
-from conftest import REPO, run_spmd
+from conftest import REPO, clean_env, run_spmd
 from spmd.config import load_config
 from spmd.mesh import build_mesh
 from spmd.plan import collectives_from_hlo, make_plan
+from spmd.plan_devices import gpu_target_config
 from spmd.runtime import build_runtime
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
@@ -116,3 +117,28 @@ def test_collectives_from_hlo_counts_and_sizes():
     assert ops["reduce-scatter"].bytes == 64 and ops["reduce-scatter"].group_sizes == [2]
     assert ops["collective-permute"].bytes == 4 * 32 * 4
     assert ops["all-to-all"].bytes == 2 * 64 and ops["all-to-all"].group_sizes == [8]
+
+
+def test_plan_for_an_nvidia_system_falls_back_to_the_cpu_compiler_without_a_gpu():
+    """No GPU here: the GPU-topology path is skipped and the plan says the CPU compiled it."""
+    env = clean_env()
+    env.pop("JAX_PLATFORMS")          # let plan_devices look for a GPU itself
+    proc = run_spmd("plan", str(CONFIG), "--devices", "8", "--system", "perlmutter-80g",
+                    "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["compiler"] == "cpu" and report["num_devices"] == 8
+    assert "CPU stand-in devices (no NVIDIA GPU visible here)" in report["compiler_note"]
+    text = run_spmd("plan", str(CONFIG), "--devices", "8").stdout
+    assert "compiler: cpu (8 CPU stand-in devices (no NVIDIA --system profile))" in text
+    assert "cpu compiler: activations, gradients, scratch" in text
+
+
+def test_gpu_target_config_for_the_profiles_gpus():
+    h100 = gpu_target_config("NVIDIA H100 80GB HBM3", 80 * 2**30)
+    assert "core_count: 132" in h100 and "major: 9" in h100
+    assert f"device_memory_size: {80 * 2**30}" in h100 and 'platform_name: "CUDA"' in h100
+    assert "major: 8" in gpu_target_config("NVIDIA A100-SXM4-40GB", 40 * 2**30)
+    assert gpu_target_config("NVIDIA V100-SXM2-16GB", 16 * 2**30) is None
+    cfg = load_config(CONFIG, ["mesh.strategy=dp"])
+    assert make_plan(cfg, build_mesh(cfg.mesh, jax.devices())).compiler == "cpu"
