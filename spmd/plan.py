@@ -166,6 +166,9 @@ class Plan:
         if self.flops_compiled is not None:
             lines.append(f"  compiled (XLA cost analysis, {self.compiler} compiler)  "
                          f"{self.flops_compiled:.4g} per device")
+            if self.flops_analytic and self.flops_compiled < 0.8 * self.flops_analytic:
+                lines.append("    (XLA counts a loop body once: with scanned layers "
+                             "(model.scan_layers) this covers about one layer)")
         if self.flops_analytic is not None:
             lines.append(f"  analytic (the task's formula) {self.flops_analytic:.4g} per device, "
                          f"{self.flops_analytic * self.num_devices:.4g} total, "
