@@ -87,6 +87,9 @@ class Plan:
     # (CPU stand-in devices); the note says for what and, on a fallback, why.
     compiler: str = "cpu"
     compiler_note: str = ""
+    # Parameters stacked along a leading `layers` logical axis (scanned layers):
+    # path, shape, logical axes, mesh spec, as `spmd shardings` reports them.
+    layer_stacks: list[dict] = field(default_factory=list)
 
     @property
     def state_bytes(self) -> int:
@@ -162,6 +165,12 @@ class Plan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  -> {verdict}: peak is {self.peak_bytes / self.available_bytes:.1%} "
                      f"of available")
+        if self.layer_stacks:
+            lines += ["", f"scanned layers: {len(self.layer_stacks)} parameters stacked along "
+                          f"'layers' ({self.layer_stacks[0]['shape'][0]} layers)"]
+            lines += [f"  {p['path']:<28}{str(tuple(p['shape'])):<22}"
+                      f"{str(tuple(p['logical_axes'])):<36}{tuple(p['spec'])}"
+                      for p in self.layer_stacks]
         lines += ["", "FLOPs per step"]
         if self.flops_compiled is not None:
             lines.append(f"  compiled (XLA cost analysis, {self.compiler} compiler)  "
@@ -353,6 +362,11 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
         collectives=collectives_from_hlo(compiled.as_text(), n),
         compile_seconds=seconds, backend=jax.default_backend(),
         compiler=compiler_of(rt.mesh), compiler_note=compiler_note,
+        layer_stacks=[{"path": p.path, "shape": list(p.shape),
+                       "logical_axes": list(p.logical_axes),
+                       "spec": [list(e) if isinstance(e, tuple) else e for e in p.spec]}
+                      for p in rt.model.report.params
+                      if p.logical_axes[:1] == ("layers",)],
     )
 
 

@@ -70,6 +70,13 @@ def test_plan_in_process_fsdp_tp_reports_everything():
     assert scanned.param_bytes == plan.param_bytes and scanned.fits
     assert scanned.flops_compiled < 0.8 * plan.flops_compiled   # the loop body counted once
     assert "counts a loop body once" in scanned.as_text()
+    assert plan.layer_stacks == []                      # unrolled: blocks/0/..., blocks/1/...
+    stacks = {p["path"]: p for p in scanned.layer_stacks}
+    assert stacks["blocks/mlp/up/kernel"]["logical_axes"] == ["layers", "embed", "mlp"]
+    assert stacks["blocks/mlp/up/kernel"]["spec"] == [None, "fsdp", "tensor"]
+    assert len(stacks) == 8 and all(p["shape"][0] == 2 for p in stacks.values())
+    assert "8 parameters stacked along 'layers' (2 layers)" in scanned.as_text()
+    assert scanned.as_json()["layer_stacks"] == scanned.layer_stacks
 
 
 @pytest.mark.parametrize("devices,overrides", [
