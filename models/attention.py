@@ -50,7 +50,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      implementation: Implementation) -> jax.Array:
     """softmax(q k^T / sqrt(d), causal) v on (batch, length, heads, kv) arrays.
 
-    "cudnn" is cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16); "xla" is JAX's
+    "cudnn" is cuDNN's fused flash attention (NVIDIA GPUs, bf16); "xla" is JAX's
     reference lowering, which runs everywhere.
     """
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)

@@ -3,7 +3,7 @@
 GPU-class options of the `model:` section (docs/performance.md says which to use when):
 `scan_layers` (stacked blocks run by a scan; default on), `remat` (none, full, dots,
 dots_with_batch, save_attention), `attention` (auto, xla, cudnn; auto = cuDNN flash attention
-on an NVIDIA GPU with a bf16/fp16 model, XLA elsewhere) and `loss_chunk` (tokens per chunk of
+on an NVIDIA GPU with a bf16 model, XLA elsewhere) and `loss_chunk` (tokens per chunk of
 the chunked cross-entropy; 0 = whole sequence at once).
 """
 
@@ -65,7 +65,7 @@ def _nvidia_gpu() -> bool:
 def resolve_attention(m: TransformerConfig) -> Literal["xla", "cudnn"]:
     """`model.attention` made concrete for this process: auto -> cudnn where it can run.
 
-    cuDNN flash attention needs an NVIDIA GPU, a bf16/fp16 model and a head dimension that
+    cuDNN flash attention needs an NVIDIA GPU, a bf16 model and a head dimension that
     is a multiple of 8 and at most 128; `auto` takes it only then, an explicit `cudnn`
     elsewhere is a ConfigError naming the key.
     """
