@@ -33,24 +33,27 @@ PEAKS = (("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12)
          ("MI300", 1307e12), ("MI250", 383e12))
 
 
-def _model(layers: int, d: int, batch: int, seq: int = 1024, vocab: int = 32768) -> list[str]:
-    return [f"model.num_layers={layers}", f"model.d_model={d}", f"model.num_heads={d // 128}",
-            f"model.d_ff={4 * d}", f"model.seq_len={seq}", f"model.vocab_size={vocab}",
-            f"train.batch_size={batch}"]
-
-
-# Largest first; head dimension 128, d_ff = 4 d, 1024-token sequences, >= 8k tokens per step.
+# name -> (layers, d_model, batch, seq); head dimension 128, d_ff = 4 d, vocab 32768.
 LADDER = {
-    "2.7b": _model(32, 2560, 8),
-    "1.3b": _model(24, 2048, 8),
-    "1.3b-b4": _model(24, 2048, 4),
-    "760m": _model(24, 1536, 8),
-    "350m": _model(24, 1024, 16),
-    "125m": _model(12, 768, 16, vocab=32768),
+    "2.7b": (32, 2560, 8, 1024),
+    "1.3b": (24, 2048, 8, 1024),
+    "1.3b-b16": (24, 2048, 16, 1024),
+    "3.3b-w4096": (16, 4096, 4, 2048),
+    "760m": (24, 1536, 8, 1024),
+    "350m": (24, 1024, 16, 1024),
+    "125m": (12, 768, 16, 1024),
 }
-TINY = ["model.num_layers=2", "model.d_model=128", "model.num_heads=4", "model.d_ff=512",
-        "model.seq_len=64", "model.vocab_size=256", "train.batch_size=4"]
+TINY = (2, 128, 4, 64)         # any backend: the CI size (head dim 32, vocab 256)
 COMMON = ["model.dtype=bfloat16", "mesh.strategy=dp", "train.warmup_steps=0"]
+
+
+def size_overrides(name: str, seq: int | None, batch: int | None) -> list[str]:
+    """Config overrides of one ladder size, with --seq / --batch replacing its own."""
+    layers, d, b, t = TINY if name == "tiny" else LADDER[name]
+    heads, vocab = (4, 256) if name == "tiny" else (d // 128, 32768)
+    return [f"model.num_layers={layers}", f"model.d_model={d}", f"model.num_heads={heads}",
+            f"model.d_ff={4 * d}", f"model.seq_len={seq or t}", f"model.vocab_size={vocab}",
+            f"train.batch_size={batch or b}"]
 
 
 def apply_gpu_settings(system: str | None) -> tuple[list[str], dict[str, str]]:
@@ -78,42 +81,151 @@ def peak_flops(device_kind: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def choose(sizes: list[str], overrides: list[str], device, limit_fraction: float):
-    """The first (largest) size whose compiled step fits the device: (name, rt, compiled, plan)."""
-    import jax
+def n_params(m) -> int:
+    return (m.num_layers * (4 * m.d_model ** 2 + 2 * m.d_model * m.d_ff)
+            + 2 * m.vocab_size * m.d_model)
 
+
+def compile_size(name: str, overrides: list[str], device, limit, limit_fraction: float):
+    """Compile spmd's step for one size on `device`: (rt, compiled, plan, fits)."""
     from spmd.config import load_config
     from spmd.mesh import build_mesh
     from spmd.plan import plan_from_compiled
     from spmd.runtime import build_runtime
 
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    tried = []
-    for name in sizes:
-        extra = TINY if name == "tiny" else LADDER[name]
-        cfg = load_config(CONFIG, [*COMMON, *extra, *overrides])
-        rt = build_runtime(cfg, build_mesh(cfg.mesh, [device]))
-        compiled, seconds = rt.compile_train_step()
-        plan = plan_from_compiled(rt, compiled, seconds, config_name=name)
-        fits = limit is None or plan.peak_bytes <= limit_fraction * limit
-        tried.append(f"{name}: peak {plan.peak_bytes / 2**30:.1f} GiB"
-                     + ("" if limit is None else f" of {limit / 2**30:.1f} GiB limit")
-                     + f", compiled in {seconds:.0f} s")
-        print(tried[-1], "-> fits" if fits else "-> too big", flush=True)
-        if fits:
-            return name, rt, compiled, plan, tried
-        del rt, compiled
-        jax.clear_caches()
-    raise SystemExit(f"none of {', '.join(sizes)} fits the device: " + "; ".join(tried))
+    cfg = load_config(CONFIG, [*COMMON, *overrides])
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, [device]))
+    compiled, seconds = rt.compile_train_step()
+    plan = plan_from_compiled(rt, compiled, seconds, config_name=name)
+    fits = limit is None or plan.peak_bytes <= limit_fraction * limit
+    return rt, compiled, plan, fits
+
+
+def plain_pair(rt, state):
+    """The plain-JAX step of the same model and options, from spmd's initial values."""
+    import jax
+    import numpy as np
+    from plain_lm import make_step
+
+    m, t = rt.cfg.model, rt.cfg.train
+    attention = _attention_of(rt)
+    tx, step = make_step(dtype=jax.numpy.dtype(m.dtype), attention=attention, remat=m.remat,
+                         lr=t.lr,
+                         weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                         loss_chunk=m.loss_chunk)
+    params = jax.tree.map(lambda x: jax.device_put(np.asarray(x), x.sharding), state.params)
+    opt_state = jax.jit(tx.init)(params)
+    return step, params, opt_state, attention
+
+
+def _attention_of(rt) -> str:
+    """The attention implementation spmd resolved for this model (auto made concrete)."""
+    from spmd.tasks.lm import resolve_attention
+
+    return resolve_attention(rt.cfg.model)
+
+
+def run_size(name: str, overrides: list[str], device, limit, args, peak) -> dict:
+    """Compile, check the fit, time spmd (and plain JAX with --compare) for one size."""
+    import time
+
+    import jax
+    import numpy as np
+    from common import interleaved, median_ci, paired_ratios
+
+    rt, compiled, plan, fits = compile_size(name, overrides, device, limit, args.headroom)
+    cfg, m = rt.cfg, rt.cfg.model
+    record = {"size": name, "params": n_params(m), "num_layers": m.num_layers,
+              "d_model": m.d_model, "d_ff": m.d_ff, "seq_len": m.seq_len,
+              "vocab_size": m.vocab_size, "batch_size": cfg.train.batch_size,
+              "remat": m.remat, "attention": _attention_of(rt), "loss_chunk": m.loss_chunk,
+              "scan_layers": m.scan_layers, "peak_bytes": plan.peak_bytes,
+              "fits": fits, "compile_s": round(plan.compile_seconds, 2),
+              "xla_flops_per_step": plan.flops_compiled}
+    print(f"{name}: peak {plan.peak_bytes / 2**30:.1f} GiB"
+          + ("" if limit is None else f" of {limit / 2**30:.1f} GiB limit")
+          + f", spmd compiled in {plan.compile_seconds:.1f} s"
+          + ("" if fits else " -> too big, skipped"), flush=True)
+    if not fits:
+        return record
+
+    state = rt.init()
+    batch = rt.feed.global_batch(rt.task.train_source(), 0)   # device-resident, reused
+    box = {"spmd": state}
+
+    def run_spmd():
+        for _ in range(args.steps):
+            box["spmd"], box["spmd_metrics"] = compiled(box["spmd"], batch)
+        jax.block_until_ready((box["spmd"], box["spmd_metrics"]))
+
+    runners = {"spmd": run_spmd}
+    if args.compare:
+        step, params, opt_state, _ = plain_pair(rt, state)
+        start = time.perf_counter()
+        step = step.lower(params, opt_state, batch).compile()
+        record["plain_compile_s"] = round(time.perf_counter() - start, 2)
+        box["plain"] = (params, opt_state)
+        # Same start, same first loss: the two programs compute the same thing.
+        box["spmd"], metrics = compiled(box["spmd"], batch)
+        params, opt_state, loss = step(params, opt_state, batch)
+        box["plain"] = (params, opt_state)
+        a, b = float(metrics["loss"]), float(loss)
+        record["first_loss"] = {"spmd": a, "plain": b}
+        if not np.isclose(a, b, rtol=2e-2 if m.dtype == "bfloat16" else 1e-5):
+            raise AssertionError(f"{name}: first losses differ: spmd {a} vs plain JAX {b}")
+
+        def run_plain():
+            p, o = box["plain"]
+            for _ in range(args.steps):
+                p, o, box["plain_loss"] = step(p, o, batch)
+            box["plain"] = (p, o)
+            jax.block_until_ready((p, o, box["plain_loss"]))
+
+        runners["plain"] = run_plain
+    times = interleaved(runners, args.reps, warmup=1)
+    per_step = {k: [x / args.steps for x in v] for k, v in times.items()}
+    spmd = Stats.of(per_step["spmd"])
+    tokens = cfg.train.batch_size * m.seq_len
+    model_flops = rt.task.flops_per_example() * cfg.train.batch_size
+    record.update(
+        step_s=spmd.as_dict(5), tokens_per_s=round(tokens / spmd.median, 1),
+        model_flops_per_step=model_flops, loss=float(box["spmd_metrics"]["loss"]),
+        mfu=None if peak is None else round(model_flops / spmd.median / peak, 4),
+        hfu_xla=(None if peak is None or not plan.flops_compiled
+                 else round(plan.flops_compiled / spmd.median / peak, 4)))
+    if args.compare:
+        plain = Stats.of(per_step["plain"])
+        ratios = paired_ratios(per_step["spmd"], per_step["plain"])
+        record.update(
+            plain_step_s=plain.as_dict(5),
+            plain_mfu=None if peak is None else round(model_flops / plain.median / peak, 4),
+            ratio=Stats.of(ratios).as_dict(4),
+            ratio_ci95=[round(x, 4) for x in median_ci(ratios)])
+    jax.clear_caches()      # the caller drops this size's buffers before the next one
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true",
-                        help="CI smoke test: tiny model on any backend (CPU), never fails")
+                        help="CI smoke test: --size tiny, 2 steps x 2 reps, on any backend")
     parser.add_argument("--size", default=None,
-                        help=f"one of {', '.join(LADDER)} (default: the largest that fits)")
+                        help=f"comma-separated sizes: tiny (any backend), {', '.join(LADDER)} "
+                             f"(default on a GPU: the whole ladder, sizes that do not fit "
+                             f"are reported and skipped)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the "
+                                                              "size's)")
+    parser.add_argument("--batch", type=int, default=None, help="global batch (default: the "
+                                                                "size's)")
+    parser.add_argument("--remat", default="dots",
+                        help="model.remat: none, full, dots, dots_with_batch, save_attention "
+                             "(default dots)")
+    parser.add_argument("--attention", default="auto", help="model.attention: auto, xla, cudnn")
+    parser.add_argument("--loss-chunk", type=int, default=0, help="model.loss_chunk (0: off)")
+    parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=false")
+    parser.add_argument("--compare", action="store_true",
+                        help="also time a plain-JAX step of the same model and options "
+                             "(interleaved) and report spmd / plain")
     parser.add_argument("--system", default=None, help="system profile for XLA flags/env")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions")
@@ -122,81 +234,85 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--headroom", type=float, default=0.95,
                         help="use at most this fraction of the allocator limit (default 0.95)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="extra config overrides (e.g. train.batch_size=4)")
+                        help="extra config overrides (e.g. model.positions=learned)")
     args = parser.parse_args(argv)
+    if args.short:
+        args.size, args.steps, args.reps = args.size or "tiny", 2, 2
 
     flags, env = apply_gpu_settings(args.system)
     import jax
 
     backend = jax.default_backend()
-    if backend != "gpu" and not args.short:
+    sizes = args.size.split(",") if args.size else list(LADDER)
+    unknown = [s for s in sizes if s != "tiny" and s not in LADDER]
+    if unknown:
+        parser.error(f"--size {','.join(unknown)}: choose from tiny, {', '.join(LADDER)}")
+    on_gpu = backend == "gpu"
+    if not on_gpu and sizes != ["tiny"]:
         print(f"no GPU: skipped (JAX backend is '{backend}'). On a GPU node run: "
-              f"python benchmarks/gpu_mfu.py")
+              f"python benchmarks/gpu_mfu.py --compare  (or --size tiny here)")
         return 0
     device = jax.devices()[0]
-    if args.short:
-        sizes, steps, reps = ["tiny"], 2, 2
-    else:
-        sizes, steps, reps = [args.size] if args.size else list(LADDER), args.steps, args.reps
-    name, rt, compiled, plan, tried = choose(sizes, args.overrides, device, args.headroom)
-
-    state = rt.init()
-    batch = rt.feed.global_batch(rt.task.train_source(), 0)   # device-resident, reused
-    for _ in range(2):                                         # warm-up (already compiled)
-        state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    import time
-
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append((time.perf_counter() - start) / steps)
-    loss = float(metrics["loss"])
-    step = Stats.of(times)
-
-    cfg, m = rt.cfg, rt.cfg.model
-    tokens = cfg.train.batch_size * m.seq_len
-    model_flops = rt.task.flops_per_example() * cfg.train.batch_size
+    limit = (device.memory_stats() or {}).get("bytes_limit")
     peak = peak_flops(device.device_kind, args.peak_tflops)
-    reference_only = peak is None and args.short
+    reference_only = peak is None and not on_gpu
     if reference_only:
         peak = PEAKS[1][1]   # exercise the MFU arithmetic against the H100 peak
-    n_params = m.num_layers * (4 * m.d_model ** 2 + 2 * m.d_model * m.d_ff) \
-        + 2 * m.vocab_size * m.d_model
-    mfu = model_flops / step.median / peak if peak else None
-    hfu = plan.flops_compiled / step.median / peak if peak and plan.flops_compiled else None
-    rows = [("size", "params", "L", "d", "batch x seq", "step ms (median [min-max])",
-             "tokens/s", "TFLOP/s", "MFU")]
-    rows.append((name, f"{n_params / 1e9:.2f}B", str(m.num_layers), str(m.d_model),
-                 f"{cfg.train.batch_size} x {m.seq_len}",
-                 f"{step.median * 1e3:.1f} [{step.min * 1e3:.1f}-{step.max * 1e3:.1f}]",
-                 f"{tokens / step.median:,.0f}", f"{model_flops / step.median / 1e12:.1f}",
-                 f"{mfu:.1%}" if mfu is not None else "n/a"))
+    options = [f"model.remat={args.remat}", f"model.attention={args.attention}",
+               f"model.loss_chunk={args.loss_chunk}",
+               f"model.scan_layers={'false' if args.unrolled else 'true'}"]
+    results = [run_size(name, [*size_overrides(name, args.seq, args.batch), *options,
+                               *args.overrides], device, limit, args, peak)
+               for name in sizes]
+    ran = [r for r in results if "step_s" in r]
+    if not ran:
+        raise SystemExit("none of " + ", ".join(sizes) + " fits the device")
+
+    head = ["size", "params", "L x d", "batch x seq", "remat", "attn", "compile s",
+            "step ms (median [min-max])", "tokens/s", "MFU"]
+    if args.compare:
+        head += ["plain ms", "plain MFU", "spmd/plain (paired median [95% CI])",
+                 "plain compile s"]
+    rows = [tuple(head)]
+    for r in ran:
+        st = r["step_s"]
+        row = [r["size"], f"{r['params'] / 1e9:.2f}B", f"{r['num_layers']} x {r['d_model']}",
+               f"{r['batch_size']} x {r['seq_len']}", r["remat"], r["attention"],
+               f"{r['compile_s']:.1f}",
+               f"{st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}-{st['max'] * 1e3:.1f}]",
+               f"{r['tokens_per_s']:,.0f}", "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"]
+        if args.compare:
+            lo, hi = r["ratio_ci95"]
+            row += [f"{r['plain_step_s']['median'] * 1e3:.1f}",
+                    "n/a" if r["plain_mfu"] is None else f"{r['plain_mfu']:.1%}",
+                    f"{r['ratio']['median']:.3f} [{lo:.3f}-{hi:.3f}]",
+                    f"{r['plain_compile_s']:.1f}"]
+        rows.append(tuple(row))
     peak_note = ("unknown" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"
                  + (" (H100's, for reference only)" if reference_only else ""))
-    print(f"device: {device.device_kind} ({backend}); peak {peak_note}")
+    print(f"device: {device.device_kind} ({backend}); peak {peak_note}; jax {jax.__version__}")
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
     print(table(rows))
     verdict = None
-    if args.short or backend != "gpu":
-        print("short/CPU mode: the MFU figure is meaningless here; this only proves the code path")
-    elif mfu is not None:
-        verdict = "PASS" if mfu >= TARGET_MFU else "FAIL"
-        print(f"{verdict}: MFU {mfu:.1%} vs target >= {TARGET_MFU:.0%}")
+    best = max(ran, key=lambda r: r["mfu"] or 0)
+    if not on_gpu:
+        print("CPU mode: MFU and ratios are meaningless here; this only proves the code path")
+    elif best["mfu"] is not None:
+        verdict = "PASS" if best["mfu"] >= TARGET_MFU else "FAIL"
+        print(f"{verdict}: best MFU {best['mfu']:.1%} ({best['size']}) vs target >= "
+              f"{TARGET_MFU:.0%}")
+        if args.compare:
+            worst = max(r["ratio"]["median"] for r in ran)
+            print(f"spmd / plain JAX step time: worst paired median {worst:.3f} (target <= 1.0)")
     print(json_line({
         "benchmark": "gpu_mfu", "mode": "short" if args.short else "full", "verdict": verdict,
-        "size": name, "params": n_params, "num_layers": m.num_layers, "d_model": m.d_model,
-        "d_ff": m.d_ff, "seq_len": m.seq_len, "vocab_size": m.vocab_size,
-        "batch_size": cfg.train.batch_size, "step_s": step.as_dict(5),
-        "tokens_per_s": round(tokens / step.median, 1), "model_flops_per_step": model_flops,
-        "xla_flops_per_step": plan.flops_compiled, "peak_flops": peak,
-        "mfu": None if mfu is None else round(mfu, 4),
-        "hfu_xla": None if hfu is None else round(hfu, 4),
-        "peak_bytes": plan.peak_bytes, "loss": loss, "tried": tried, "xla_flags": flags,
-        "env": env, "machine": machine(),
+        "backend": backend, "device_kind": device.device_kind, "compare": args.compare,
+        **{k: best[k] for k in ("size", "params", "num_layers", "d_model", "d_ff", "seq_len",
+                                "vocab_size", "batch_size", "step_s", "tokens_per_s",
+                                "model_flops_per_step", "xla_flops_per_step", "mfu",
+                                "hfu_xla", "peak_bytes", "loss", "compile_s")},
+        "peak_flops": peak, "results": results, "xla_flags": flags, "env": env,
+        "machine": machine(),
     }))
     return 1 if verdict == "FAIL" else 0
 

@@ -94,11 +94,7 @@ def baseline_program(cfg, mesh_devices, strategy: str):
         q, k, v = (jnp.einsum("ble,ehd->blhd", xc, layer[w].astype(dtype))
                    for w in ("wq", "wk", "wv"))
         q, k = rope(q), rope(k)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
-        scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        context = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        context = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
         return jnp.einsum("blhd,hde->ble", context, layer["wo"].astype(dtype))
 
     def mlp(layer, x):
@@ -165,7 +161,9 @@ def build_pair(overrides: list[str], strategy: str, num_devices: int):
     from spmd.mesh import build_mesh
     from spmd.runtime import build_runtime
 
-    cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", *overrides])
+    # The baseline is the unrolled program with XLA attention: pin spmd to the same.
+    cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", "model.scan_layers=false",
+                               "model.attention=xla", *overrides])
     rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)   # device-resident, reused
     spmd_state = rt.init()

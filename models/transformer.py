@@ -1,4 +1,14 @@
-"""Decoder-only Transformer LM: pre-norm, causal multi-head attention, rotary/learned positions."""
+"""Decoder-only Transformer LM: pre-norm, causal multi-head attention, rotary/learned positions.
+
+Invariants:
+- With `scan_layers` (the default) the blocks are one stacked module (parameters shaped
+  (num_layers, ...), logical axes ('layers', ...)) run by `jax.lax.scan`; without it they
+  are an `nnx.List` run by a Python loop. Both paths draw the same initial values from the
+  same `Rngs` and compute the same function (see models/scan.py).
+- `features(tokens)` is the final-normed hidden state (batch, length, embed) and
+  `logits(h)` the output projection, so a loss can project chunk by chunk
+  (models/losses.py) instead of materialising (batch, length, vocab) at once.
+"""
 
 from __future__ import annotations
 
@@ -6,50 +16,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.models.layers import Dense, RMSNorm, default_init
+from spmd.models.attention import Attention, Implementation, rotary
+from spmd.models.layers import Dense, RMSNorm
+from spmd.models.scan import Remat, layer_of, run_stacked, run_unrolled, stack_layers
 from spmd.sharding import constrain, param
 
+__all__ = ["ACT", "Attention", "DecoderBlock", "FeedForward", "TransformerLM", "rotary"]
+
 ACT = ("batch", "length", "embed")
-
-
-def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
-    """Rotate pairs of the head dimension by position-dependent angles (RoPE)."""
-    half = x.shape[-1] // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (length, half)
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
-
-
-class Attention(nnx.Module):
-    def __init__(self, d_model: int, num_heads: int, *, rotary: bool, rngs: nnx.Rngs, dtype):
-        head_dim = d_model // num_heads
-        qkv = ("embed", "heads", "kv")
-        self.query = param(rngs.params(), default_init, (d_model, num_heads, head_dim), qkv)
-        self.key = param(rngs.params(), default_init, (d_model, num_heads, head_dim), qkv)
-        self.value = param(rngs.params(), default_init, (d_model, num_heads, head_dim), qkv)
-        self.out = param(rngs.params(), default_init, (num_heads, head_dim, d_model),
-                         ("heads", "kv", "embed"))
-        self.rotary = rotary
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:  # x: (batch, length, embed)
-        def project(w):
-            y = jnp.einsum("ble,ehd->blhd", x.astype(self.dtype), w[...].astype(self.dtype))
-            return constrain(y, ("batch", "length", "heads", "kv"), name="attention/qkv")
-
-        q, k, v = project(self.query), project(self.key), project(self.value)
-        if self.rotary:
-            positions = jnp.arange(x.shape[1])
-            q, k = rotary(q, positions), rotary(k, positions)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
-        scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        context = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-        context = constrain(context, ("batch", "length", "heads", "kv"), name="attention/context")
-        return jnp.einsum("blhd,hde->ble", context, self.out[...].astype(self.dtype))
 
 
 class FeedForward(nnx.Module):
@@ -63,9 +37,11 @@ class FeedForward(nnx.Module):
 
 
 class DecoderBlock(nnx.Module):
-    def __init__(self, d_model, num_heads, d_ff, *, rotary: bool, rngs: nnx.Rngs, dtype):
+    def __init__(self, d_model, num_heads, d_ff, *, rotary: bool, rngs: nnx.Rngs, dtype,
+                 attention: Implementation = "xla"):
         self.attn_norm = RMSNorm(d_model, rngs=rngs)
-        self.attn = Attention(d_model, num_heads, rotary=rotary, rngs=rngs, dtype=dtype)
+        self.attn = Attention(d_model, num_heads, rotary=rotary, rngs=rngs, dtype=dtype,
+                              implementation=attention)
         self.mlp_norm = RMSNorm(d_model, rngs=rngs)
         self.mlp = FeedForward(d_model, d_ff, rngs=rngs, dtype=dtype)
 
@@ -81,7 +57,8 @@ class TransformerLM(nnx.Module):
 
     def __init__(self, *, num_layers: int, d_model: int, num_heads: int, d_ff: int,
                  vocab_size: int, seq_len: int, positions: str = "rotary",
-                 rngs: nnx.Rngs, dtype=jnp.float32):
+                 rngs: nnx.Rngs, dtype=jnp.float32, scan_layers: bool = True,
+                 remat: Remat = "none", attention: Implementation = "xla"):
         embed_init = nnx.initializers.normal(stddev=1.0)
         self.embedding = param(rngs.params(), embed_init, (vocab_size, d_model), ("vocab", "embed"))
         self.position = (
@@ -89,20 +66,39 @@ class TransformerLM(nnx.Module):
                   ("length", "embed"))
             if positions == "learned" else None
         )
-        self.blocks = nnx.List([
+        blocks = [
             DecoderBlock(d_model, num_heads, d_ff, rotary=positions == "rotary", rngs=rngs,
-                         dtype=dtype)
+                         dtype=dtype, attention=attention)
             for _ in range(num_layers)
-        ])
+        ]
+        self.scan_layers = scan_layers
+        self.remat = remat
+        self.blocks = stack_layers(blocks) if scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(d_model, rngs=rngs)
         self.unembed = Dense(d_model, vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dtype)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def layer(self, index: int) -> nnx.Module:
+        """Block `index` as an ordinary block, whichever way the blocks are stored."""
+        return layer_of(self.blocks, index) if self.scan_layers else self.blocks[index]
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
         x = jnp.take(self.embedding[...], tokens, axis=0)
         if self.position is not None:
             x = x + self.position[...][None, : tokens.shape[1]]
-        x = constrain(x, ACT, name="embedding/output")
-        for block in self.blocks:
-            x = block(x)
-        logits = self.unembed(self.final_norm(x))
-        return constrain(logits, ("batch", "length", "vocab"), name="logits")
+        return constrain(x, ACT, name="embedding/output")
+
+    def features(self, tokens: jax.Array) -> jax.Array:
+        """(batch, length) token ids -> final-normed hidden states (batch, length, embed)."""
+        x = self.embed(tokens)
+        if self.scan_layers:
+            x = run_stacked(self.blocks, x, self.remat)
+        else:
+            x = run_unrolled(list(self.blocks), x, self.remat)
+        return self.final_norm(x)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Hidden states (..., length, embed) -> logits (..., length, vocab) in the model dtype."""
+        return constrain(self.unembed(h), ("batch", "length", "vocab"), name="logits")
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.logits(self.features(tokens))

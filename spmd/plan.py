@@ -82,6 +82,14 @@ class Plan:
     collectives: list[Collective]
     compile_seconds: float
     backend: str
+    # Which compiler produced the compiled figures (memory, FLOPs, collectives): "gpu"
+    # (the CUDA compiler, for the profile's GPU, through an abstract topology) or "cpu"
+    # (CPU stand-in devices); the note says for what and, on a fallback, why.
+    compiler: str = "cpu"
+    compiler_note: str = ""
+    # Parameters stacked along a leading `layers` logical axis (scanned layers):
+    # path, shape, logical axes, mesh spec, as `spmd shardings` reports them.
+    layer_stacks: list[dict] = field(default_factory=list)
 
     @property
     def state_bytes(self) -> int:
@@ -130,19 +138,22 @@ class Plan:
             f"plan: {self.config}, strategy {self.strategy}, mesh {mesh} "
             f"({self.num_devices} devices; compiled for {self.backend} in "
             f"{self.compile_seconds:.1f} s)",
+            f"compiler: {self.compiler}" + (f" ({self.compiler_note})" if self.compiler_note
+                                            else ""),
             "",
             "memory per device",
         ]
+        by = f"{self.compiler} compiler"
         rows = [
             ("parameters", self.param_bytes, "from shardings"),
             ("optimizer state", self.optimizer_bytes, "from shardings"),
             ("other state (step, rng)", self.other_state_bytes, "from shardings"),
             ("batch", self.batch_bytes, "from shardings"),
-            ("arguments", self.argument_bytes, "compiled: state + batch"),
-            ("outputs", self.output_bytes, "compiled: new state + metrics"),
-            ("aliased (donated)", self.alias_bytes, "compiled: outputs reusing arguments"),
+            ("arguments", self.argument_bytes, f"{by}: state + batch"),
+            ("outputs", self.output_bytes, f"{by}: new state + metrics"),
+            ("aliased (donated)", self.alias_bytes, f"{by}: outputs reusing arguments"),
             ("resident", self.resident_bytes, "arguments + outputs - aliased"),
-            ("temporary", self.temp_bytes, "compiled: activations, gradients, scratch"),
+            ("temporary", self.temp_bytes, f"{by}: activations, gradients, scratch"),
             ("peak", self.peak_bytes, "resident + temporary + code"),
         ]
         lines += [f"  {name:<25}{human(value):>12}{value:>17,}  {note}"
@@ -154,14 +165,25 @@ class Plan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  -> {verdict}: peak is {self.peak_bytes / self.available_bytes:.1%} "
                      f"of available")
+        if self.layer_stacks:
+            lines += ["", f"scanned layers: {len(self.layer_stacks)} parameters stacked along "
+                          f"'layers' ({self.layer_stacks[0]['shape'][0]} layers)"]
+            lines += [f"  {p['path']:<28}{str(tuple(p['shape'])):<22}"
+                      f"{str(tuple(p['logical_axes'])):<36}{tuple(p['spec'])}"
+                      for p in self.layer_stacks]
         lines += ["", "FLOPs per step"]
         if self.flops_compiled is not None:
-            lines.append(f"  compiled (XLA cost analysis)  {self.flops_compiled:.4g} per device")
+            lines.append(f"  compiled (XLA cost analysis, {self.compiler} compiler)  "
+                         f"{self.flops_compiled:.4g} per device")
+            if self.flops_analytic and self.flops_compiled < 0.8 * self.flops_analytic:
+                lines.append("    (XLA counts a loop body once: with scanned layers "
+                             "(model.scan_layers) this covers about one layer)")
         if self.flops_analytic is not None:
             lines.append(f"  analytic (the task's formula) {self.flops_analytic:.4g} per device, "
                          f"{self.flops_analytic * self.num_devices:.4g} total, "
                          f"{self.tokens_per_step:,} tokens/samples")
-        lines += ["", "collectives per step (per device; static count)"]
+        lines += ["", f"collectives per step (per device; static count; {self.compiler} "
+                      f"compiler)"]
         if not self.collectives:
             lines.append("  none")
         else:
@@ -171,8 +193,12 @@ class Plan:
                 lines.append(f"  {c.op:<20}{c.count:>6}{human(c.bytes):>14}"
                              f"{human(c.traffic_bytes):>16}  {groups}")
         lines.append("")
-        lines.append("note: memory and temporaries are XLA's figures for the backend compiled "
-                     "for; a GPU compile fuses differently (see docs/performance.md)")
+        if self.compiler == "gpu":
+            lines.append("note: memory, FLOPs and collectives are the GPU compiler's figures "
+                         "for the system's GPU (nothing ran on it)")
+        else:
+            lines.append("note: memory and temporaries are the CPU compiler's figures; a GPU "
+                         "compile fuses differently (see docs/performance.md)")
         return "\n".join(lines)
 
 
@@ -303,8 +329,14 @@ def _cost(compiled) -> float | None:
     return float(flops) if flops is not None and flops >= 0 else None
 
 
+def compiler_of(mesh) -> str:
+    """"gpu" or "cpu": the platform of the devices the mesh (and so the compile) is for."""
+    platform = str(getattr(mesh.devices.flat[0], "platform", "cpu")).lower()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
 def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
-                       config_name: str = "<config>") -> Plan:
+                       config_name: str = "<config>", compiler_note: str = "") -> Plan:
     """The per-device figures of an executable compiled by `Runtime.compile_train_step`."""
     import jax
 
@@ -329,15 +361,25 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
         tokens_per_step=cfg.train.batch_size * rt.task.tokens_per_example(),
         collectives=collectives_from_hlo(compiled.as_text(), n),
         compile_seconds=seconds, backend=jax.default_backend(),
+        compiler=compiler_of(rt.mesh), compiler_note=compiler_note,
+        layer_stacks=[{"path": p.path, "shape": list(p.shape),
+                       "logical_axes": list(p.logical_axes),
+                       "spec": [list(e) if isinstance(e, tuple) else e for e in p.spec]}
+                      for p in rt.model.report.params
+                      if p.logical_axes[:1] == ("layers",)],
     )
 
 
 def make_plan(cfg: Config, mesh, system: str | None = None, config_name: str = "<config>",
-              runtime=None) -> Plan:
-    """Compile the train step for `mesh` ahead of time and collect the per-device figures."""
+              runtime=None, compiler_note: str = "") -> Plan:
+    """Compile the train step for `mesh` ahead of time and collect the per-device figures.
+
+    The compiler is the one of the mesh's devices: CPU stand-ins, or abstract CUDA devices
+    from `spmd.plan_devices.plan_devices` (the GPU compiler, for the profile's GPU).
+    """
     from spmd.runtime import build_runtime
 
     target_memory(system)  # fail on a bad --system before compiling
     rt = runtime or build_runtime(cfg, mesh)
     compiled, seconds = rt.compile_train_step()
-    return plan_from_compiled(rt, compiled, seconds, system, config_name)
+    return plan_from_compiled(rt, compiled, seconds, system, config_name, compiler_note)

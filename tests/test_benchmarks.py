@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, clean_env
 
 
@@ -45,3 +47,20 @@ def test_gpu_mfu_short_runs_the_code_path_on_cpu():
     assert record["tokens_per_s"] > 0 and record["mfu"] is not None
     assert record["model_flops_per_step"] > 0
     assert any("latency_hiding_scheduler" in f for f in record["xla_flags"])
+
+
+def test_gpu_mfu_tiny_compare_reports_ratio_mfu_and_compile_times():
+    """--size tiny runs on CPU: spmd against the plain-JAX step, interleaved, in one process."""
+    proc, record = bench("gpu_mfu.py", "--size", "tiny", "--compare", "--remat",
+                         "save_attention", "--loss-chunk", "16", "--steps", "1", "--reps", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert record["compare"] is True and record["backend"] == "cpu" and record["verdict"] is None
+    (r,) = record["results"]
+    assert r["size"] == "tiny" and r["fits"] and r["scan_layers"] is True
+    assert (r["remat"], r["attention"], r["loss_chunk"]) == ("save_attention", "xla", 16)
+    assert r["first_loss"]["spmd"] == pytest.approx(r["first_loss"]["plain"], rel=2e-2)
+    assert r["compile_s"] > 0 and r["plain_compile_s"] > 0
+    assert r["step_s"]["median"] > 0 and r["plain_step_s"]["median"] > 0
+    assert r["ratio"]["median"] > 0 and r["ratio"]["n"] == 2 and len(r["ratio_ci95"]) == 2
+    assert r["mfu"] is not None and r["plain_mfu"] is not None
+    assert "spmd/plain" in proc.stdout

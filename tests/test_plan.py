@@ -7,13 +7,18 @@ import json
 import jax
 import pytest
 
-from conftest import REPO, run_spmd
+from conftest import REPO, clean_env, run_spmd
 from spmd.config import load_config
 from spmd.mesh import build_mesh
 from spmd.plan import collectives_from_hlo, make_plan
+from spmd.plan_devices import gpu_target_config
 from spmd.runtime import build_runtime
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
+
+def plan_mesh(cfg):
+    return build_mesh(cfg.mesh, jax.devices())
+
 
 def device0_bytes(arrays) -> int:
     device = jax.devices()[0]
@@ -47,7 +52,9 @@ def test_plan_memory_matches_a_measured_run():
 
 
 def test_plan_in_process_fsdp_tp_reports_everything():
-    cfg = load_config(CONFIG, ["mesh.strategy=fsdp_tp"])
+    # Unrolled layers: XLA's cost analysis counts a while-loop body once, so only the
+    # unrolled program's FLOPs can be compared with the formula (the scanned one below).
+    cfg = load_config(CONFIG, ["mesh.strategy=fsdp_tp", "model.scan_layers=false"])
     plan = make_plan(cfg, build_mesh(cfg.mesh, jax.devices()), config_name="tiny")
     assert plan.num_devices == 8 and plan.mesh["fsdp"] == 4 and plan.mesh["tensor"] == 2
     ops = {c.op: c for c in plan.collectives}
@@ -59,6 +66,17 @@ def test_plan_in_process_fsdp_tp_reports_everything():
     text = plan.as_text()
     for needle in ("parameters", "optimizer state", "temporary", "peak", "all-gather", "fits"):
         assert needle in text
+    scanned = make_plan(load_config(CONFIG, ["mesh.strategy=fsdp_tp"]), plan_mesh(cfg))
+    assert scanned.param_bytes == plan.param_bytes and scanned.fits
+    assert scanned.flops_compiled < 0.8 * plan.flops_compiled   # the loop body counted once
+    assert "counts a loop body once" in scanned.as_text()
+    assert plan.layer_stacks == []                      # unrolled: blocks/0/..., blocks/1/...
+    stacks = {p["path"]: p for p in scanned.layer_stacks}
+    assert stacks["blocks/mlp/up/kernel"]["logical_axes"] == ["layers", "embed", "mlp"]
+    assert stacks["blocks/mlp/up/kernel"]["spec"] == [None, "fsdp", "tensor"]
+    assert len(stacks) == 8 and all(p["shape"][0] == 2 for p in stacks.values())
+    assert "8 parameters stacked along 'layers' (2 layers)" in scanned.as_text()
+    assert scanned.as_json()["layer_stacks"] == scanned.layer_stacks
 
 
 @pytest.mark.parametrize("devices,overrides", [
@@ -116,3 +134,28 @@ def test_collectives_from_hlo_counts_and_sizes():
     assert ops["reduce-scatter"].bytes == 64 and ops["reduce-scatter"].group_sizes == [2]
     assert ops["collective-permute"].bytes == 4 * 32 * 4
     assert ops["all-to-all"].bytes == 2 * 64 and ops["all-to-all"].group_sizes == [8]
+
+
+def test_plan_for_an_nvidia_system_falls_back_to_the_cpu_compiler_without_a_gpu():
+    """No GPU here: the GPU-topology path is skipped and the plan says the CPU compiled it."""
+    env = clean_env()
+    env.pop("JAX_PLATFORMS")          # let plan_devices look for a GPU itself
+    proc = run_spmd("plan", str(CONFIG), "--devices", "8", "--system", "perlmutter-80g",
+                    "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["compiler"] == "cpu" and report["num_devices"] == 8
+    assert "CPU stand-in devices (no NVIDIA GPU visible here)" in report["compiler_note"]
+    text = run_spmd("plan", str(CONFIG), "--devices", "8").stdout
+    assert "compiler: cpu (8 CPU stand-in devices (no NVIDIA --system profile))" in text
+    assert "cpu compiler: activations, gradients, scratch" in text
+
+
+def test_gpu_target_config_for_the_profiles_gpus():
+    h100 = gpu_target_config("NVIDIA H100 80GB HBM3", 80 * 2**30)
+    assert "core_count: 132" in h100 and "major: 9" in h100
+    assert f"device_memory_size: {80 * 2**30}" in h100 and 'platform_name: "CUDA"' in h100
+    assert "major: 8" in gpu_target_config("NVIDIA A100-SXM4-40GB", 40 * 2**30)
+    assert gpu_target_config("NVIDIA V100-SXM2-16GB", 16 * 2**30) is None
+    cfg = load_config(CONFIG, ["mesh.strategy=dp"])
+    assert make_plan(cfg, build_mesh(cfg.mesh, jax.devices())).compiler == "cpu"

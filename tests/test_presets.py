@@ -4,7 +4,6 @@ and the arrays really are laid out as the rules say."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -47,8 +46,7 @@ def activations(rt, state):
     def forward(params, tokens):
         with activation_sharding(rt.mesh, rt.rules):
             model = rt.model.merge(params)
-            x = jnp.take(model.embedding[...], tokens, axis=0)
-            return model(tokens), model.blocks[0](x)
+            return model(tokens), model.layer(0)(model.embed(tokens))
 
     return jax.jit(forward)(state.params, tokens)
 
@@ -61,11 +59,14 @@ def test_preset_matches_one_device(strategy, reference_losses):
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
     params = state.params
-    up = params["blocks"][0]["mlp"]["up"]["kernel"].sharding.spec
-    query = params["blocks"][0]["attn"]["query"].sharding.spec
+    # Scanned layers (the default): one stacked array per parameter, ('layers', ...) first.
+    assert params["blocks"]["mlp"]["up"]["kernel"].shape[0] == rt.cfg.model.num_layers
+    up = params["blocks"]["mlp"]["up"]["kernel"].sharding.spec[1:]
+    query = params["blocks"]["attn"]["query"].sharding.spec[1:]
+    assert tuple(params["blocks"]["mlp"]["up"]["kernel"].sharding.spec)[:1] in ((), (None,))
     logits, hidden = activations(rt, state)
     if strategy == "dp":
-        assert up == P() and query == P()
+        assert tuple(up) in ((), (None, None)) and tuple(query) in ((), (None, None, None))
         assert logits.sharding.spec[0] == "data"
     if strategy in ("fsdp", "fsdp_tp"):
         for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -99,8 +100,8 @@ def test_fsdp_bytes_per_device_are_an_eighth_of_dp():
 def test_state_is_created_sharded_not_replicated():
     rt = make("fsdp", jax.devices())
     state = rt.init()
-    kernel = state.params["blocks"][0]["mlp"]["up"]["kernel"]
-    assert kernel.sharding.spec == P("fsdp")
+    kernel = state.params["blocks"]["mlp"]["up"]["kernel"]   # (layers, embed, mlp)
+    assert kernel.sharding.spec == P(None, "fsdp")
     mu = jax.tree.leaves(state.opt_state)
-    assert any(getattr(x, "sharding", None) is not None and x.sharding.spec == P("fsdp")
+    assert any(getattr(x, "sharding", None) is not None and x.sharding.spec == P(None, "fsdp")
                for x in mu), "optimizer moments follow their parameter's sharding"

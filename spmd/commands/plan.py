@@ -1,8 +1,10 @@
 """`spmd plan CONFIG --devices N [--system S] [--json] [key=value ...]`: compile ahead of time.
 
-Lowers and compiles the train step for a mesh of N devices (CPU stand-ins, so a laptop
-can plan for 512 GPUs) and reports per-device memory, FLOPs and collectives; exits 3
-when the step does not fit the system's device memory.
+Lowers and compiles the train step for a mesh of N devices and reports per-device memory,
+FLOPs and collectives; exits 3 when the step does not fit the system's device memory.
+With an NVIDIA `--system` on a machine with one NVIDIA GPU, it compiles with the GPU
+compiler for N of the profile's GPUs (an abstract CUDA topology); elsewhere for N CPU
+stand-ins, so a laptop can plan for 512 GPUs. The output's `compiler` says which.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.add_argument("--devices", type=int, required=True,
-                   help="plan for N devices (simulated with N CPU devices)")
+                   help="plan for N devices (N abstract GPUs of an NVIDIA --system when a GPU "
+                        "is visible, else N CPU stand-ins)")
     p.add_argument("--system", default=None,
                    help="system profile whose device memory to check against "
                         "(default: a generic 80 GB GPU)")
@@ -28,15 +31,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from spmd.config import load_config
     from spmd.plan import make_plan, target_memory
-    from spmd.stand_in_devices import cpu_stand_in_devices
+    from spmd.plan_devices import plan_devices
 
     cfg = load_config(args.config, args.overrides)
     target_memory(args.system)  # a bad --system fails before any compilation
-    devices = cpu_stand_in_devices(args.devices)
+    chosen = plan_devices(args.devices, args.system)
     from spmd.mesh import build_mesh
 
-    mesh = build_mesh(cfg.mesh, devices)
-    plan = make_plan(cfg, mesh, args.system, config_name=str(args.config))
+    mesh = build_mesh(cfg.mesh, chosen.devices)
+    plan = make_plan(cfg, mesh, args.system, config_name=str(args.config),
+                     compiler_note=chosen.note)
     print(json.dumps(plan.as_json(), indent=2) if args.json else plan.as_text())
     plan.check_fits()
     return 0

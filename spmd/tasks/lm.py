@@ -1,18 +1,28 @@
-"""Next-token prediction with the decoder-only Transformer."""
+"""Next-token prediction with the decoder-only Transformer.
+
+GPU-class options of the `model:` section (docs/performance.md says which to use when):
+`scan_layers` (stacked blocks run by a scan; default on), `remat` (none, full, dots,
+dots_with_batch, save_attention), `attention` (auto, xla, cudnn; auto = cuDNN flash attention
+on an NVIDIA GPU with a bf16 model, XLA elsewhere) and `loss_chunk` (tokens per chunk of
+the chunked cross-entropy; 0 = whole sequence at once).
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from pydantic import Field, model_validator
 
 from spmd.config import ModelConfig
 from spmd.data.batch import BatchField
 from spmd.data.synthetic import ArithmeticTokens
+from spmd.errors import ConfigError
+from spmd.models.losses import cross_entropy
+from spmd.models.scan import Remat
 from spmd.models.transformer import TransformerLM
 from spmd.tasks.base import Task
 
@@ -29,6 +39,10 @@ class TransformerConfig(ModelConfig):
     seq_len: int = Field(32, ge=2)
     positions: Literal["rotary", "learned"] = "rotary"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    scan_layers: bool = True
+    remat: Remat = "none"            # models/scan.py REMAT_POLICIES
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    loss_chunk: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerConfig:
@@ -36,7 +50,40 @@ class TransformerConfig(ModelConfig):
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
             )
+        if self.loss_chunk and self.seq_len % self.loss_chunk:
+            raise ValueError(f"model.loss_chunk={self.loss_chunk} does not divide "
+                             f"model.seq_len={self.seq_len}")
         return self
+
+
+def _nvidia_gpu() -> bool:
+    devices = jax.devices()
+    return (jax.default_backend() == "gpu"
+            and any("nvidia" in d.device_kind.lower() for d in devices))
+
+
+def resolve_attention(m: TransformerConfig) -> Literal["xla", "cudnn"]:
+    """`model.attention` made concrete for this process: auto -> cudnn where it can run.
+
+    cuDNN flash attention needs an NVIDIA GPU, a bf16 model and a head dimension that
+    is a multiple of 8 and at most 128; `auto` takes it only then, an explicit `cudnn`
+    elsewhere is a ConfigError naming the key.
+    """
+    head_dim = m.d_model // m.num_heads
+    problems = []
+    if not _nvidia_gpu():
+        problems.append(f"an NVIDIA GPU (JAX's backend here is '{jax.default_backend()}')")
+    if m.dtype not in ("bfloat16",):
+        problems.append(f"model.dtype=bfloat16 (not {m.dtype})")
+    if head_dim % 8 or head_dim > 128:
+        problems.append(f"a head dimension that is a multiple of 8 and <= 128 (d_model / "
+                        f"num_heads = {head_dim})")
+    if m.attention == "auto":
+        return "xla" if problems else "cudnn"
+    if m.attention == "cudnn" and problems:
+        raise ConfigError(f"model.attention=cudnn (cuDNN flash attention) needs "
+                          f"{' and '.join(problems)}; use model.attention=auto or xla")
+    return m.attention
 
 
 class LanguageModelTask(Task):
@@ -51,7 +98,8 @@ class LanguageModelTask(Task):
         return TransformerLM(
             num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, d_ff=m.d_ff,
             vocab_size=m.vocab_size, seq_len=m.seq_len, positions=m.positions, rngs=rngs,
-            dtype=jnp.dtype(m.dtype),
+            dtype=jnp.dtype(m.dtype), scan_layers=m.scan_layers, remat=m.remat,
+            attention=resolve_attention(m),
         )
 
     def batch_fields(self) -> dict[str, BatchField]:
@@ -61,10 +109,10 @@ class LanguageModelTask(Task):
                 "targets": BatchField(shape, np.dtype(np.int32), axes)}
 
     def loss(self, model, batch):
-        logits = model(batch["inputs"]).astype(jnp.float32)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["targets"])
-        return jnp.mean(losses), {"accuracy": accuracy}
+        hidden = model.features(batch["inputs"])
+        loss, accuracy = cross_entropy(model.logits, hidden, batch["targets"],
+                                       self.model_cfg.loss_chunk)
+        return loss, {"accuracy": accuracy}
 
     def _source(self, stream: int) -> ArithmeticTokens:
         m = self.model_cfg
