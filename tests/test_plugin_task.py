@@ -101,10 +101,11 @@ def test_kill_9_then_resume_is_bit_identical(project):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=clean_env(JAX_NUM_CPU_DEVICES="8", HEAT_STEP_DELAY_S="0.2"))
     try:
+        committed = run_dir / "local" / "8" / "rank00000" / "COMMITTED"
         deadline = time.time() + 240
-        while time.time() < deadline and not (run_dir / "local" / "8").exists():
+        while time.time() < deadline and not committed.exists():
             time.sleep(0.05)
-        assert (run_dir / "local" / "8").exists(), "no checkpoint of step 8 before the deadline"
+        assert committed.exists(), "no committed checkpoint of step 8 before the deadline"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
