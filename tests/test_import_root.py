@@ -53,3 +53,18 @@ def test_a_users_own_models_and_launch_do_not_shadow_spmd(tmp_path):
                        text=True, env=clean_env(PYTHONPATH=str(tmp_path)), timeout=120)
     assert r.returncode == 0, r.stderr
     assert str(tmp_path) not in r.stdout
+
+
+ALLOWED = {"launch": ("launch",), "sharding": ("sharding",), "models": ("models", "sharding")}
+SPMD_IMPORT = re.compile(r"^\s*(?:from|import)\s+spmd\.(\w+)", re.M)
+
+
+def test_imports_point_one_way():
+    """launch and sharding import nothing else of spmd; models only sharding."""
+    offenders = []
+    for folder, allowed in ALLOWED.items():
+        for path in tracked(f"{folder}/*.py"):
+            for m in SPMD_IMPORT.finditer(path.read_text()):
+                if m.group(1) not in allowed:
+                    offenders.append(f"{path.relative_to(REPO)}: {m.group(0).strip()}")
+    assert not offenders, offenders
