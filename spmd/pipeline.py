@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 from spmd.config import Config
 from spmd.errors import ConfigError
-from spmd.sharding import ACTIVATION_PREFIX, LOGICAL_AXES_KEY, RuleTable
-from spmd.sharding.pipeline import LAYERS, PipelineSchedule, stage_axes
+from spmd.sharding import ACTIVATION_PREFIX, LOGICAL_AXES_KEY, RuleTable, ShardingReport
+from spmd.sharding.pipeline import LAYERS, PipelineSchedule, bubble_fraction, stage_axes
 from spmd.tasks.base import Task
 
 
@@ -77,3 +77,32 @@ def check_pipeline(cfg: Config, task: Task, rules: RuleTable,
             f"{t.microbatches} x {ways} data-parallel ways ({data_axes or 'none'}); "
             f"change train.batch_size or train.microbatches")
     return PipelineSchedule(t.microbatches, t.pipeline_schedule)
+
+
+def stage_summary(report: ShardingReport, rules: RuleTable, mesh: Mesh,
+                  schedule: PipelineSchedule | None) -> dict | None:
+    """Per-stage figures for `spmd shardings` and `spmd plan` (None without a pipeline).
+
+    `stacked_bytes_per_device` is what one device holds of the parameters with a `layers`
+    axis; `stacked_bytes_unstaged_per_device` the same with the stage axes dropped from
+    their specs (what the strategy without stages would hold): about `stages` times more.
+    """
+    shape = dict(mesh.shape)
+    axes = stage_axes(rules, shape)
+    if not axes or schedule is None:
+        return None
+    stages = math.prod(shape[a] for a in axes)
+    stacked = [p for p in report.params if LAYERS in p.logical_axes]
+    unstaged_shape = {a: (1 if a in axes else s) for a, s in shape.items()}
+    layers = stacked[0].shape[list(stacked[0].logical_axes).index(LAYERS)] if stacked else 0
+    return {
+        "stages": stages,
+        "stage_axes": list(axes),
+        "microbatches": schedule.microbatches,
+        "schedule": schedule.schedule,
+        "bubble_fraction": bubble_fraction(stages, schedule.microbatches),
+        "layers_per_stage": layers // stages,
+        "stacked_bytes_per_device": sum(p.bytes_per_device(shape) for p in stacked),
+        "stacked_bytes_unstaged_per_device": sum(p.bytes_per_device(unstaged_shape)
+                                                 for p in stacked),
+    }

@@ -14,6 +14,7 @@ from spmd.config import Config
 from spmd.data.feed import BatchFeed
 from spmd.pipeline import check_pipeline
 from spmd.sharding import RuleTable, rules_for
+from spmd.sharding.pipeline import PipelineSchedule
 from spmd.state import (
     ModelLayout,
     StateLayout,
@@ -40,6 +41,7 @@ class Runtime:
     train_step: Callable
     eval_step: Callable | None
     sample_step: Callable | None
+    pipeline: PipelineSchedule | None = None   # bound when the rules split layers into stages
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """ShapeDtypeStructs of one global batch, carrying the feed's shardings."""
@@ -76,4 +78,5 @@ def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules, schedule)
                    if eval_step is not None and has_samples else None)
     return Runtime(cfg, task, mesh, rules, tx, model, state, feed,
-                   init_state_fn(task, cfg, tx, state), train_step, eval_step, sample_step)
+                   init_state_fn(task, cfg, tx, state), train_step, eval_step, sample_step,
+                   schedule)
