@@ -31,18 +31,24 @@ def make(strategy: str, devices, *overrides: str):
     return build_runtime(cfg, build_mesh(cfg.mesh, devices))
 
 
-@pytest.fixture(scope="module")
-def reference():
-    losses, state = train_steps(make("dp", jax.devices()[:1]), STEPS)
-    assert losses[-1] < losses[0]
-    return losses, jax.device_get(state.params)
+_REFERENCE: dict[tuple[str, ...], tuple[list[float], dict]] = {}
+
+
+def reference(*overrides: str) -> tuple[list[float], dict]:
+    """One device's losses and final parameters (cached per batch override)."""
+    if overrides not in _REFERENCE:
+        losses, state = train_steps(make("dp", jax.devices()[:1], *overrides), STEPS)
+        assert losses[-1] < losses[0]
+        _REFERENCE[overrides] = losses, jax.device_get(state.params)
+    return _REFERENCE[overrides]
 
 
 MESHES = {
     "pp-stage4-data2-m4": ("pp", "mesh.axes.stage=4", "mesh.axes.data=2",
                            "train.microbatches=4"),
+    # 8 microbatches x 4 data ways need a batch of at least 32 rows
     "pp-stage2-data4-m8": ("pp", "mesh.axes.stage=2", "mesh.axes.data=4",
-                           "train.microbatches=8"),
+                           "train.microbatches=8", "train.batch_size=32"),
     "pp_fsdp-stage2-fsdp4-m2": ("pp_fsdp", "mesh.axes.stage=2", "mesh.axes.fsdp=4",
                                 "train.microbatches=2"),
 }
@@ -50,15 +56,16 @@ MESHES = {
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("case", list(MESHES))
-def test_pipeline_matches_one_device(case, schedule, reference):
+def test_pipeline_matches_one_device(case, schedule):
     strategy, *overrides = MESHES[case]
+    ref_losses, ref_params = reference(*(o for o in overrides if o.startswith("train.batch")))
     rt = make(strategy, jax.devices(), *overrides, f"train.pipeline_schedule={schedule}")
     assert rt.mesh.size == 8
     losses, state = train_steps(rt, STEPS)
-    np.testing.assert_allclose(losses, reference[0], rtol=1e-4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     # the same updated parameters (Adam amplifies float-order noise in tiny gradients a bit)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5),
-                 jax.device_get(state.params), reference[1])
+                 jax.device_get(state.params), ref_params)
     up = state.params["blocks"]["mlp"]["up"]["kernel"]          # (layers, embed, mlp)
     assert up.sharding.spec[0] == "stage"
     per_device = {s.data.shape for s in up.addressable_shards}
@@ -74,7 +81,7 @@ def test_pipeline_matches_one_device(case, schedule, reference):
 
 def test_pipeline_composes_with_tensor():
     """pp with mesh.axes.tensor=2 and Megatron rules for mlp/heads: still one device's losses."""
-    ref = train_steps(make("dp", jax.devices()[:1]), 2)[0]
+    ref = reference()[0][:2]
     rt = make("pp", jax.devices(), "mesh.axes.stage=2", "mesh.axes.data=2", "mesh.axes.tensor=2",
               "mesh.rules.mlp=tensor", "mesh.rules.heads=tensor", "train.microbatches=2")
     losses = train_steps(rt, 2)[0]
