@@ -22,6 +22,7 @@ from flax import nnx
 
 from spmd.models.attention import ATTENTION_OUT
 from spmd.sharding import LOGICAL_AXES_KEY
+from spmd.sharding.pipeline import active_pipeline, run_pipeline
 
 LAYERS = "layers"
 Remat = Literal["none", "full", "dots", "dots_with_batch", "save_attention"]
@@ -72,9 +73,16 @@ def _block_fn(graphdef: nnx.GraphDef, remat: str, prevent_cse: bool):
 
 
 def run_stacked(stacked: nnx.Module, x: jax.Array, remat: str = "none") -> jax.Array:
-    """x -> block_{L-1}(... block_0(x)) with one `jax.lax.scan` over the `layers` axis."""
+    """x -> block_{L-1}(... block_0(x)) with one `jax.lax.scan` over the `layers` axis.
+
+    When the bound rules shard `layers` over pipeline stages (spmd.sharding.pipeline),
+    the same blocks run as a pipeline of microbatches instead.
+    """
     graphdef, state = nnx.split(stacked)
     block = _block_fn(graphdef, remat, prevent_cse=False)
+    stages = active_pipeline()
+    if stages is not None:
+        return run_pipeline(block, state, x, stages)
 
     def body(carry, layer_state):
         return block(layer_state, carry), None

@@ -56,6 +56,11 @@ def activation_sharding(mesh: Mesh, rules: RuleTable) -> Iterator[None]:
         _BINDING.reset(token)
 
 
+def current_binding() -> _Binding | None:
+    """The (mesh, rules) bound by `activation_sharding`, or None outside it."""
+    return _BINDING.get()
+
+
 def constrain(x: jax.Array, axes: LogicalAxes, name: str | None = None) -> jax.Array:
     """Pin an activation's sharding by logical names (identity when nothing is bound)."""
     binding = _BINDING.get()

@@ -117,6 +117,17 @@ PRESETS: dict[str, Preset] = {
             {"context": -1},
         ),
         Preset(
+            "pp", "pipeline parallel: stacked layers split into stages over stage, batch split",
+            _table(batch="data", layers="stage", activation_batch="data"),
+            {"stage": -1},
+        ),
+        Preset(
+            "pp_fsdp", "pipeline stages over stage, FSDP (embed) within each stage",
+            _table(batch=["data", "fsdp"], embed="fsdp", layers="stage",
+                   activation_batch=["data", "fsdp"], activation_embed=None),
+            {"stage": 2, "fsdp": -1},
+        ),
+        Preset(
             "spatial", "domain decomposition: field grids split along x (context) and y (tensor)",
             _table(batch="data", x="context", y="tensor", activation_batch="data"),
             {"context": -1},

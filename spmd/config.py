@@ -42,7 +42,7 @@ class ModelConfig(BaseModel):
 
 
 class MeshConfig(_Section):
-    strategy: Literal["dp", "fsdp", "tp", "fsdp_tp", "sp", "spatial"] = "dp"
+    strategy: Literal["dp", "fsdp", "tp", "fsdp_tp", "sp", "pp", "pp_fsdp", "spatial"] = "dp"
     # Sizes per mesh axis; one -1 absorbs the rest. Missing axes take the preset's value or 1.
     axes: dict[str, int] = Field(default_factory=dict)
     # Single-entry overrides of the preset's rule table: logical -> axis | [axes] | null.
@@ -60,6 +60,9 @@ class TrainConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     eval_every: int = Field(0, ge=0)
     donate: bool = True
+    # Pipelined strategies (layers on stage): microbatches per step and their schedule.
+    microbatches: int = Field(1, ge=1)
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
 
 
 class DataConfig(_Section):

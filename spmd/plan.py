@@ -90,6 +90,10 @@ class Plan:
     # Parameters stacked along a leading `layers` logical axis (scanned layers):
     # path, shape, logical axes, mesh spec, as `spmd shardings` reports them.
     layer_stacks: list[dict] = field(default_factory=list)
+    # Pipelined strategies (layers on stage): stages, schedule, bubble fraction
+    # (S - 1) / (M + S - 1), per-stage bytes of the stacked layers, and the stage-to-stage
+    # transfers (the collective-permutes of the compiled step). None without stages.
+    pipeline: dict | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -171,6 +175,16 @@ class Plan:
             lines += [f"  {p['path']:<28}{str(tuple(p['shape'])):<22}"
                       f"{str(tuple(p['logical_axes'])):<36}{tuple(p['spec'])}"
                       for p in self.layer_stacks]
+        if self.pipeline:
+            p = self.pipeline
+            lines += ["", f"pipeline: {p['stages']} stages over {'+'.join(p['stage_axes'])}, "
+                          f"{p['layers_per_stage']} layers per stage, {p['microbatches']} "
+                          f"microbatches, schedule {p['schedule']}",
+                      f"  bubble fraction (S - 1) / (M + S - 1) = {p['bubble_fraction']:.3f}",
+                      f"  stacked layers per device {human(p['stacked_bytes_per_device'])} "
+                      f"({human(p['stacked_bytes_unstaged_per_device'])} without stages)",
+                      f"  stage-to-stage transfers: {p['stage_transfers']} collective-permutes "
+                      f"(static count), {human(p['stage_transfer_bytes'])} payload"]
         lines += ["", "FLOPs per step"]
         if self.flops_compiled is not None:
             lines.append(f"  compiled (XLA cost analysis, {self.compiler} compiler)  "
@@ -345,6 +359,7 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
     mem = compiled.memory_analysis()
     per_example = rt.task.flops_per_example()
     analytic = per_example * cfg.train.batch_size / n if per_example else None
+    collectives = collectives_from_hlo(compiled.as_text(), n)
     return Plan(
         config=config_name, strategy=cfg.mesh.strategy, mesh=dict(rt.mesh.shape),
         num_devices=n, system=name, device_memory_bytes=memory, mem_fraction=fraction,
@@ -359,7 +374,7 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
         code_bytes=int(mem.generated_code_size_in_bytes),
         flops_compiled=_cost(compiled), flops_analytic=analytic,
         tokens_per_step=cfg.train.batch_size * rt.task.tokens_per_example(),
-        collectives=collectives_from_hlo(compiled.as_text(), n),
+        collectives=collectives,
         compile_seconds=seconds, backend=jax.default_backend(),
         compiler=compiler_of(rt.mesh), compiler_note=compiler_note,
         layer_stacks=[{"path": p.path, "shape": list(p.shape),
@@ -367,7 +382,19 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
                        "spec": [list(e) if isinstance(e, tuple) else e for e in p.spec]}
                       for p in rt.model.report.params
                       if p.logical_axes[:1] == ("layers",)],
+        pipeline=_pipeline_figures(rt, collectives),
     )
+
+
+def _pipeline_figures(rt, collectives: list[Collective]) -> dict | None:
+    from spmd.pipeline import stage_summary
+
+    summary = stage_summary(rt.model.report, rt.rules, rt.mesh, rt.pipeline)
+    if summary is None:
+        return None
+    permutes = [c for c in collectives if c.op == "collective-permute"]
+    return {**summary, "stage_transfers": sum(c.count for c in permutes),
+            "stage_transfer_bytes": sum(c.bytes for c in permutes)}
 
 
 def make_plan(cfg: Config, mesh, system: str | None = None, config_name: str = "<config>",

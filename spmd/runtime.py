@@ -12,7 +12,9 @@ from jax.sharding import Mesh
 
 from spmd.config import Config
 from spmd.data.feed import BatchFeed
+from spmd.pipeline import check_pipeline
 from spmd.sharding import RuleTable, rules_for
+from spmd.sharding.pipeline import PipelineSchedule
 from spmd.state import (
     ModelLayout,
     StateLayout,
@@ -39,6 +41,7 @@ class Runtime:
     train_step: Callable
     eval_step: Callable | None
     sample_step: Callable | None
+    pipeline: PipelineSchedule | None = None   # bound when the rules split layers into stages
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """ShapeDtypeStructs of one global batch, carrying the feed's shardings."""
@@ -62,16 +65,18 @@ def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     task = task or cfg.build_task()
     rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
     tx = make_optimizer(cfg)
+    schedule = check_pipeline(cfg, task, rules, mesh)
     model = model_layout(task, cfg.train.seed, rules, mesh)
     model.report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
     state = state_layout(model, tx, rules, mesh)
     feed = BatchFeed(task.batch_fields(), cfg.train.batch_size, mesh, rules)
     train_step = make_train_step(task, model, state, tx, feed.shardings, mesh, rules,
-                                 donate=cfg.train.donate)
-    eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules)
+                                 donate=cfg.train.donate, schedule=schedule)
+    eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules, schedule)
                  if task.eval_source() is not None else None)
     has_samples = type(task).sample_outputs is not Task.sample_outputs
-    sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules)
+    sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules, schedule)
                    if eval_step is not None and has_samples else None)
     return Runtime(cfg, task, mesh, rules, tx, model, state, feed,
-                   init_state_fn(task, cfg, tx, state), train_step, eval_step, sample_step)
+                   init_state_fn(task, cfg, tx, state), train_step, eval_step, sample_step,
+                   schedule)

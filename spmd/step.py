@@ -10,17 +10,19 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from spmd.sharding import RuleTable, activation_sharding
+from spmd.sharding.pipeline import PipelineSchedule, pipeline_schedule
 from spmd.state import ModelLayout, StateLayout, TrainState, replicated
 from spmd.tasks.base import Task
 
 
 def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
                     tx: optax.GradientTransformation, batch_shardings: Mapping[str, NamedSharding],
-                    mesh: Mesh, rules: RuleTable, donate: bool = True) -> Callable:
+                    mesh: Mesh, rules: RuleTable, donate: bool = True,
+                    schedule: PipelineSchedule | None = None) -> Callable:
     """(state, batch) -> (state, metrics); one SPMD program for every device."""
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        with activation_sharding(mesh, rules):
+        with activation_sharding(mesh, rules), pipeline_schedule(schedule):
             def loss_fn(params):
                 return task.loss(layout.merge(params), batch)
 
@@ -41,9 +43,9 @@ def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
 
 def make_eval_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
                    batch_shardings: Mapping[str, NamedSharding], mesh: Mesh,
-                   rules: RuleTable) -> Callable:
+                   rules: RuleTable, schedule: PipelineSchedule | None = None) -> Callable:
     def eval_step(params: dict, batch: dict) -> dict:
-        with activation_sharding(mesh, rules):
+        with activation_sharding(mesh, rules), pipeline_schedule(schedule):
             metrics = task.eval_metrics(layout.merge(params), batch)
         return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
@@ -56,11 +58,11 @@ def make_eval_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
 
 def make_sample_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
                      batch_shardings: Mapping[str, NamedSharding], mesh: Mesh,
-                     rules: RuleTable) -> Callable:
+                     rules: RuleTable, schedule: PipelineSchedule | None = None) -> Callable:
     """Task.sample_outputs, jitted, gathered to every process (for plots of one prediction)."""
 
     def sample_step(params: dict, batch: dict) -> dict:
-        with activation_sharding(mesh, rules):
+        with activation_sharding(mesh, rules), pipeline_schedule(schedule):
             return task.sample_outputs(layout.merge(params), batch)
 
     return jax.jit(

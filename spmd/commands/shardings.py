@@ -16,6 +16,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def format_stages(stages: dict) -> str:
+    """The pipeline lines of the text report."""
+    return (f"pipeline: {stages['stages']} stages over {'+'.join(stages['stage_axes'])}, "
+            f"{stages['microbatches']} microbatches, {stages['schedule']}, bubble "
+            f"{stages['bubble_fraction']:.3f}; stacked layers {stages['layers_per_stage']} per "
+            f"stage: {stages['stacked_bytes_per_device']:,} B per device "
+            f"({stages['stacked_bytes_unstaged_per_device']:,} B without stages)")
+
+
 def run(args: argparse.Namespace) -> int:
     from spmd.config import load_config
 
@@ -30,12 +39,21 @@ def run(args: argparse.Namespace) -> int:
         devices = jax.devices()
 
     from spmd.mesh import build_mesh
+    from spmd.pipeline import check_pipeline, stage_summary
     from spmd.sharding import rules_for
     from spmd.state import model_layout
 
     mesh = build_mesh(cfg.mesh, devices)
     rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
-    report = model_layout(cfg.build_task(), cfg.train.seed, rules, mesh).report
-    print(json.dumps(report.as_json(), indent=2) if args.json else report.as_text())
+    task = cfg.build_task()
+    schedule = check_pipeline(cfg, task, rules, mesh)
+    report = model_layout(task, cfg.train.seed, rules, mesh).report
+    stages = stage_summary(report, rules, mesh, schedule)
+    if args.json:
+        print(json.dumps({**report.as_json(), "pipeline": stages}, indent=2))
+    else:
+        print(report.as_text())
+        if stages is not None:
+            print(format_stages(stages))
     report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
     return 0

@@ -1,0 +1,109 @@
+"""1F1B: the backward pass of the pipelined stack as an explicit one-forward-one-backward schedule.
+
+The stack is wrapped in a `jax.custom_vjp`. Its forward rule is the GPipe forward
+(`gpipe_forward`) and keeps only the stack's input microbatches as residuals (no per-layer
+activations). Its backward rule runs M + 2S - 2 lockstep ticks; at tick t stage k
+- recomputes the forward of microbatch t - k (input from stage k - 1, or the stack input
+  for k = 0) and stashes that stage input in a ring of R = min(M, 2S - 1) slots;
+- runs the backward (`jax.vjp` of the stage, recomputing its layers) of microbatch
+  t - (2S - 2 - k), whose output cotangent came from stage k + 1 in the previous tick (or
+  the stack's output cotangent for k = S - 1), accumulates the parameter gradient and
+  sends the input cotangent to stage k - 1 (`jnp.roll` backwards: a collective-permute).
+
+Invariants:
+- Stage k holds at most 2(S - 1 - k) + 1 <= 2S - 1 stashed stage inputs at once, whatever
+  M is (GPipe's autodiff keeps every layer's residuals for all M + S - 1 ticks); the ring
+  size R makes a slot's next write come after its read.
+- Gradients equal GPipe's (and the unpipelined scan's): each microbatch's cotangent goes
+  through the same stage VJPs; invalid (bubble) slots are masked to zero before they are
+  accumulated.
+
+What this is not: the loss is outside the stack (the task computes it on the stack's
+output), so the primal forward runs once more before the 1F1B ticks start, and every tick
+computes both its forward and its backward slot on every stage (a select under `vmap`,
+not a `lax.cond` per stage), so idle half-ticks cost compute too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spmd.sharding.pipeline import Block, _on_stages, _Stages, gpipe_forward, stage_function
+
+
+def _per_stage(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """Broadcast a (S,) mask against an array whose leading dimension is the stage."""
+    return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+
+
+def one_f_one_b(block: Block, staged: Any, xs: jax.Array, stages: _Stages) -> jax.Array:
+    """(M, mb, ...) microbatches through the stages; 1F1B-scheduled backward."""
+
+    @jax.custom_vjp
+    def run(staged, xs):
+        return gpipe_forward(block, staged, xs, stages)
+
+    def fwd(staged, xs):
+        return gpipe_forward(block, staged, xs, stages), (staged, xs)
+
+    def bwd(residuals, gys):
+        staged, xs = residuals
+        return _backward(block, staged, xs, gys, stages)
+
+    run.defvjp(fwd, bwd)
+    return run(staged, xs)
+
+
+def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
+              stages: _Stages) -> tuple[Any, jax.Array]:
+    s, m = stages.count, xs.shape[0]
+    ring = min(m, 2 * s - 1)
+    k = jnp.arange(s)
+    stage = stage_function(block)
+
+    def stage_vjp(params, x, g):
+        _, pull = jax.vjp(stage, params, x)
+        return pull(g)
+
+    forward = jax.vmap(stage, spmd_axis_name=stages.axes)
+    backward = jax.vmap(stage_vjp, spmd_axis_name=stages.axes)
+    write = jax.vmap(lambda ring_, v, i: jax.lax.dynamic_update_index_in_dim(ring_, v, i, 0))
+    read = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, 0, keepdims=False))
+    first, last = k == 0, k == s - 1
+
+    def tick(carry, t):
+        fbuf, gbuf, stash, grads, gxs = carry
+        # Forward slot: microbatch t - k, stashed for its backward.
+        fi = t - k
+        f_ok = (fi >= 0) & (fi < m)
+        new = jax.lax.dynamic_index_in_dim(xs, jnp.clip(t, 0, m - 1), 0, keepdims=False)
+        inp = _on_stages(jnp.where(_per_stage(first, fbuf), new[None], fbuf), stages)
+        out = _on_stages(forward(staged, inp), stages)
+        slot = jnp.mod(jnp.clip(fi, 0, m - 1), ring)
+        old = read(stash, slot)
+        stash = write(stash, jnp.where(_per_stage(f_ok, inp), inp, old), slot)
+        # Backward slot: microbatch t - (2S - 2 - k).
+        bi = t - (2 * s - 2 - k)
+        b_ok = (bi >= 0) & (bi < m)
+        g_last = jax.lax.dynamic_index_in_dim(gys, jnp.clip(t - (s - 1), 0, m - 1), 0,
+                                              keepdims=False)
+        g_out = _on_stages(jnp.where(_per_stage(last, gbuf), g_last[None], gbuf), stages)
+        x_b = read(stash, jnp.mod(jnp.clip(bi, 0, m - 1), ring))
+        g_params, g_in = backward(staged, x_b, g_out)
+        grads = jax.tree.map(
+            lambda acc, g: acc + jnp.where(_per_stage(b_ok, g), g, 0), grads, g_params)
+        g_in = jnp.where(_per_stage(b_ok, g_in), g_in, 0)
+        gxs = jax.lax.dynamic_update_index_in_dim(
+            gxs, g_in[0], jnp.clip(t - (2 * s - 2), 0, m - 1), 0)
+        return (jnp.roll(out, 1, axis=0), _on_stages(jnp.roll(g_in, -1, axis=0), stages),
+                stash, grads, gxs), None
+
+    zeros = _on_stages(jnp.zeros((s, *xs.shape[1:]), xs.dtype), stages)
+    stash = _on_stages(jnp.zeros((s, ring, *xs.shape[1:]), xs.dtype), stages)
+    grads = jax.tree.map(jnp.zeros_like, staged)
+    carry = (zeros, zeros, stash, grads, jnp.zeros_like(xs))
+    (_, _, _, grads, gxs), _ = jax.lax.scan(tick, carry, jnp.arange(m + 2 * s - 2))
+    return grads, gxs
