@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, clean_env, require, run_spmd
 
-EXAMPLES = {"unet3d": 30, "vit2d": 80}      # example -> train.steps of its config
+EXAMPLES = {"unet3d": 20, "vit2d": 80}      # example -> train.steps of its config
 QUIET = ("run.progress=false",)
 
 
