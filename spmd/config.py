@@ -66,8 +66,11 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "hdf5"] = "synthetic"
+    source: Literal["synthetic", "hdf5", "npy"] = "synthetic"
     path: Path | None = None          # hdf5: dataset file (made by `spmd data make` if missing)
+    # batch field -> dataset path in data.path ("{split}" stands for train / test); fields
+    # not named here take the task's default path (spmd.data.ArraySource)
+    fields: dict[str, str] = Field(default_factory=dict)
     num_train: int = Field(1000, ge=1)
     num_test: int = Field(100, ge=1)
     eval_batches: int = Field(2, ge=1)

@@ -1,5 +1,6 @@
-"""The field loader: the same global batch for any process count, epoch-wise shuffles,
-and a resumed loader that continues with exactly the next batch."""
+"""The Darcy fields through the generic array source (spmd.data.arrays): the same global
+batch for any process count, epoch-wise shuffles, and a resumed loader that continues with
+exactly the next batch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from fno_helpers import GRID, make_tiny_dataset
 from jax.sharding import NamedSharding
 
 from spmd.config import MeshConfig
-from spmd.data.field_source import FieldBatches
+from spmd.data.arrays import ArraySource
+from spmd.data.batch import BatchField
 from spmd.data.fields import field_stats, inspect_fields
 from spmd.mesh import build_mesh
 from spmd.sharding import logical_to_spec, rules_for
@@ -22,6 +24,15 @@ NUM_TRAIN = 32
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_tiny_dataset(tmp_path_factory.mktemp("loader") / "darcy.h5")
+
+
+FIELDS = {k: BatchField((GRID, GRID, 1), np.float32, ("batch", "x", "y", None))
+          for k in ("a", "u")}
+
+
+def FieldBatches(path, split, count, batch, *, seed, shuffle):  # noqa: N802 (the old name)
+    return ArraySource(path, {"a": f"{split}/a", "u": f"{split}/u"}, FIELDS, batch,
+                       seed=seed, shuffle=shuffle, count=count)
 
 
 def source(path, seed=0, shuffle=True):

@@ -34,6 +34,11 @@ class BatchField:
 
 
 class DataSource(Protocol):
-    """Rows [start, stop) of the global batch at `step`, identical for any process count."""
+    """Rows [start, stop) of the global batch at `step`, identical for any process count.
+
+    A source may also set `reads_slabs = True` and accept `rows(step, start, stop, region=)`
+    with `region[field]` = ((lo, hi), ...) per example axis: it then returns only that slab
+    of each example (what this process's devices hold when a field is split spatially).
+    """
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]: ...

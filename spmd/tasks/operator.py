@@ -21,9 +21,9 @@ from flax import nnx
 from pydantic import Field, model_validator
 
 from spmd.config import ModelConfig
+from spmd.data.arrays import ArraySource
 from spmd.data.batch import BatchField
 from spmd.data.darcy import make_darcy_dataset
-from spmd.data.field_source import FieldBatches
 from spmd.data.fields import (
     DatasetError,
     FieldsInfo,
@@ -38,7 +38,8 @@ from spmd.tasks.base import Task
 
 log = logging.getLogger("spmd.tasks.operator")
 
-
+# Dataset paths of the batch fields in a fields file (spmd.data.fields); data.fields overrides.
+DATASETS = {"a": "{split}/a", "u": "{split}/u"}
 
 
 def dataset_path(cfg) -> Path:
@@ -161,16 +162,19 @@ class OperatorTask(Task):
     def stats(self) -> dict[str, FieldStats]:
         return field_stats(self._info, self.cfg.data.num_train)
 
-    def train_source(self) -> FieldBatches:
-        return FieldBatches(self._info.path, "train", self.cfg.data.num_train,
-                            self.cfg.train.batch_size, seed=self.cfg.train.seed, shuffle=True)
+    def _source(self, split: str, count: int, shuffle: bool) -> ArraySource:
+        _ = self._info  # the fields file validated against the config first
+        return ArraySource.from_config(self.cfg, split, self.batch_fields(), DATASETS,
+                                       shuffle=shuffle, count=count)
+
+    def train_source(self) -> ArraySource:
+        return self._source("train", self.cfg.data.num_train, shuffle=True)
 
     @functools.cached_property
-    def _eval_source(self) -> FieldBatches:
-        return FieldBatches(self._info.path, "test", self.cfg.data.num_test,
-                            self.cfg.train.batch_size, seed=0, shuffle=False)
+    def _eval_source(self) -> ArraySource:
+        return self._source("test", self.cfg.data.num_test, shuffle=False)
 
-    def eval_source(self) -> FieldBatches | None:
+    def eval_source(self) -> ArraySource | None:
         return self._eval_source if self.cfg.train.eval_every else None
 
     # ------------------------------------------------------------ model

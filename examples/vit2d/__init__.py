@@ -1,0 +1,1 @@
+"""A vision transformer learning the 2-D Poisson solution operator (see task.py)."""
