@@ -42,15 +42,21 @@ def data_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory):
-    """(example, devices, strategy) -> run dir of a finished run (trained once each)."""
+    """(example, devices, overrides) -> run dir of a finished run, trained once each.
+
+    As a user would over two allocations: the first run stops at half the config's steps
+    (saving there), the second run of the same command resumes and finishes."""
     done: dict[tuple, Path] = {}
 
     def get(name: str, devices: int, *overrides: str) -> Path:
         key = (name, devices, overrides)
         if key not in done:
             run_dir = tmp_path_factory.mktemp(f"{name}_{devices}") / "run"
-            r = spmd_run(name, devices, run_dir, data_dir / f"{name}.h5", *overrides)
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            data = data_dir / f"{name}.h5"
+            half = EXAMPLES[name] // 2
+            for extra in ((f"train.steps={half}",), ()):
+                r = spmd_run(name, devices, run_dir, data, *overrides, *extra)
+                assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             done[key] = run_dir
         return done[key]
 
@@ -64,17 +70,23 @@ IDS = ["unet3d-2x1", "unet3d-2x4", "vit2d-2x1", "vit2d-2x4", "unet3d-spatial-2x4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, devices, overrides", CASES, ids=IDS)
-def test_example_learns_and_plots(trained, name, devices, overrides):
+def test_example_learns_plots_and_resumes(trained, name, devices, overrides):
     run_dir = trained(name, devices, *overrides)
+    steps, half = EXAMPLES[name], EXAMPLES[name] // 2
     evals = [r for r in records(run_dir) if "test_rel_l2" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == EXAMPLES[name]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == steps
     first, last = evals[0]["test_rel_l2"], evals[-1]["test_rel_l2"]
     assert last <= 0.5 * first, (first, last)
     for png in ("samples.png", "loss.png", "test_error.png"):
         path = run_dir / "plots" / png
         assert path.is_file() and path.stat().st_size > 10_000, path
     started = [e for e in events(run_dir) if e["event"] == "started"]
-    assert sorted(e["rank"] for e in started) == [0, 1]
+    assert sorted(e["rank"] for e in started) == [0, 0, 1, 1]  # two runs of two ranks
+    restored = [e for e in events(run_dir) if e["event"] == "restored"]
+    assert sorted(e["rank"] for e in restored) == [0, 1]
+    assert all(e["step"] == half for e in restored), restored
+    logged = sorted({r["step"] for r in records(run_dir) if "loss" in r})
+    assert logged[-1] == steps and half in logged
 
 
 @pytest.mark.slow
@@ -85,21 +97,6 @@ def test_unet_spatial_sees_the_same_batches_as_dp(trained):
     spatial = {r["step"]: r["loss"] for r in records(trained(
         "unet3d", 4, *CASES[-1][2])) if "loss" in r}
     assert spatial[5] == pytest.approx(dp[5], rel=1e-3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name, devices", [("unet3d", 1), ("unet3d", 4), ("vit2d", 1),
-                                           ("vit2d", 4)],
-                         ids=["unet3d-2x1", "unet3d-2x4", "vit2d-2x1", "vit2d-2x4"])
-def test_example_resumes_with_more_steps(trained, data_dir, name, devices):
-    run_dir = trained(name, devices)
-    steps = EXAMPLES[name]
-    r = spmd_run(name, devices, run_dir, data_dir / f"{name}.h5", f"train.steps={steps + 5}")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    restored = [e for e in events(run_dir) if e["event"] == "restored"]
-    assert restored and all(e["step"] == steps for e in restored)
-    train_steps = sorted({r["step"] for r in records(run_dir) if "loss" in r})
-    assert train_steps[-1] == steps + 5 and steps in train_steps
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
