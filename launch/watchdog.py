@@ -6,7 +6,7 @@ time, and a zombie (state Z or X) counts as gone.
 
 `spmd run` exports its own identity to every rank (`launcher_environ()`: SPMD_LAUNCHER_PID,
 SPMD_LAUNCHER_START). `watch_launcher` (started by `bootstrap`, before jax.distributed waits
-for anything) checks once a second that this process still exists; when it does not (SIGKILL,
+for anything) checks four times a second that this process still exists; when it does not (SIGKILL,
 OOM killer, closed terminal), the rank prints one line naming the launcher's pid and ends with
 os._exit(ORPHANED_EXIT_CODE): no atexit handlers, no `finally`, so nothing more is written. A
 save in flight stays an uncommitted temp directory, which restore ignores (commits are atomic
@@ -125,7 +125,7 @@ def _watch(key: str, pid: int, start: int | None, line: str, interval_s: float,
         _watching["thread"] = thread
 
 
-def watch_launcher(environ: Mapping[str, str], who: str, interval_s: float = 1.0) -> bool:
+def watch_launcher(environ: Mapping[str, str], who: str, interval_s: float = 0.25) -> bool:
     """End this rank (within `interval_s`) once the launcher named in `environ` is gone."""
     launcher = launcher_from(environ)
     if launcher is None:
@@ -137,7 +137,7 @@ def watch_launcher(environ: Mapping[str, str], who: str, interval_s: float = 1.0
 
 
 def watch_peers(peers: Mapping[int, tuple[int, int | None]], rank: int, host: str, who: str,
-                job_key: str, interval_s: float = 1.0) -> None:
+                job_key: str, interval_s: float = 0.25) -> None:
     """End this rank once a peer {rank: (pid, start time)} on this host is gone uncleanly.
 
     `job_key` is the same on every rank of the job and differs between jobs.
