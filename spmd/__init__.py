@@ -31,6 +31,7 @@ if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "sharding" / "__init__.py")
 
 _PUBLIC = {
     "Task": "spmd.tasks.base",
+    "FieldTask": "spmd.tasks.fields",
     "BatchField": "spmd.data.batch",
     "DataSource": "spmd.data.batch",
     "ModelConfig": "spmd.tasks.base",

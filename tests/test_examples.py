@@ -118,3 +118,25 @@ def test_shardings_and_plan_accept_the_example(name, tmp_path):
     plan = json.loads(r.stdout)
     assert plan["param_bytes"] > 0 and plan["temp_bytes"] > 0
     assert not (tmp_path / "absent.h5").exists()
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_spmd_data_make_writes_the_field_task_dataset(name, tmp_path):
+    """A FieldTask's `make_pairs` become {split}/{input,target} datasets via `spmd data make`."""
+    import h5py
+
+    config = f"examples/{name}/config.yaml"
+    data = tmp_path / "fields.h5"
+    made = run_spmd("data", "make", config, f"data.path={data}", cwd=REPO)
+    assert made.returncode == 0, made.stderr
+    assert f"wrote {data}" in made.stdout
+    again = run_spmd("data", "make", config, f"data.path={data}", cwd=REPO)
+    assert again.returncode == 0 and "exists" in again.stdout, again.stderr
+    example = {"unet3d": (16, 16, 16, 1), "vit2d": (32, 32, 1)}[name]
+    counts = {"unet3d": (256, 16), "vit2d": (512, 64)}[name]
+    with h5py.File(data) as f:
+        assert len(f["train"]) == len(f["test"]) == 2  # one input and one target field
+        for split, count in zip(("train", "test"), counts):
+            assert {f[split][n].shape for n in f[split]} == {(count, *example)}
+    info = run_spmd("data", "info", config, f"data.path={data}", cwd=REPO)
+    assert info.returncode == 0 and "train examples" in info.stdout, info.stderr

@@ -1,14 +1,13 @@
 """A 3-D U-Net learns the heat-equation solution operator u(0) -> u(t) on a periodic 16^3 grid.
 
-A user project: it imports only spmd's public API (`spmd`, `spmd.sharding`, `spmd.data`).
-Its `make_data` writes the volumetric dataset itself (random Gaussian blobs, diffused exactly
-with an FFT), and it reads the data through spmd's generic array source, which under
-`spatial` reads only each process's x/y slab. The model uses logical axis names only.
+A user project: it imports only spmd's public API (`spmd`, `spmd.sharding`). As a
+`spmd.FieldTask` it says only how to make its examples (random Gaussian blobs, diffused
+exactly with an FFT); spmd writes them to data.path and reads them back through its generic
+array source, which under `spatial` reads only each process's x/y slab. The model uses
+logical axis names only.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +16,9 @@ from flax import nnx
 from pydantic import Field
 
 import spmd
-from spmd.data import ArraySource, write_arrays
 from spmd.sharding import constrain, with_axes
 
 FIELD = ("batch", "x", "y", "z", "channels")
-DATASETS = {"u0": "{split}/u0", "u1": "{split}/u1"}   # data.fields may override
 
 
 def _conv(cin: int, cout: int, axes: tuple[str, str], rngs: nnx.Rngs, kernel: int = 3,
@@ -75,12 +72,10 @@ def heat_pairs(count: int, grid: int, diffusion: float, seed: int) -> tuple[np.n
     return u0.astype(np.float32), u1.astype(np.float32)
 
 
-def relative_l2(pred: jax.Array, truth: jax.Array) -> jax.Array:
-    axes = tuple(range(1, truth.ndim))
-    return jnp.sqrt(jnp.sum((pred - truth) ** 2, axes) / jnp.sum(truth**2, axes))
+class UNetTask(spmd.FieldTask):
+    input_name, target_name, field_axes = "u0", "u1", FIELD
+    sample_title = "3-D heat step: middle z slice of test volumes"
 
-
-class UNetTask(spmd.Task):
     class Config(spmd.ModelConfig):
         width: int = Field(8, ge=1)
         grid: int = Field(16, ge=4, multiple_of=2)
@@ -89,63 +84,14 @@ class UNetTask(spmd.Task):
     def build_model(self, rngs: nnx.Rngs) -> UNet3d:
         return UNet3d(self.cfg.model.width, rngs=rngs)
 
-    def batch_fields(self) -> dict[str, spmd.BatchField]:
-        shape = (self.cfg.model.grid,) * 3 + (1,)
-        return {name: spmd.BatchField(shape, np.float32, FIELD) for name in ("u0", "u1")}
+    def field_shape(self) -> tuple[int, ...]:
+        return (self.cfg.model.grid,) * 3 + (1,)
 
-    # ------------------------------------------------------------ data
+    def make_pairs(self, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        m = self.cfg.model
+        u0, u1 = heat_pairs(count, m.grid, m.diffusion, seed)
+        return u0[..., None], u1[..., None]
 
-    def make_data(self, *, workers: int = 1, force: bool = False, **options) -> str:
-        """`spmd data make`: write data.path (train and test splits) if missing."""
-        path, d, m = Path(self.cfg.data.path), self.cfg.data, self.cfg.model
-        if path.exists() and not force:
-            return f"{path} exists ({self.describe_data()})"
-        arrays = {}
-        for split, count, seed in (("train", d.num_train, d.seed), ("test", d.num_test,
-                                                                     d.seed + 1)):
-            arrays[f"{split}/u0"], arrays[f"{split}/u1"] = heat_pairs(count, m.grid,
-                                                                      m.diffusion, seed)
-        write_arrays(path, arrays, {"problem": "3-D heat equation", "grid": m.grid,
-                                    "diffusion": m.diffusion, "seed": d.seed})
-        return f"wrote {path}: {d.num_train} train and {d.num_test} test volumes of {m.grid}^3"
-
-    def describe_data(self) -> str:
-        train = self._source("train", True)
-        return f"{self.cfg.data.path}: {train.count} train volumes, fields {train.datasets}"
-
-    def prepare(self, is_coordinator: bool) -> None:
-        if is_coordinator and not Path(self.cfg.data.path).exists():
-            print(f"data.path {self.cfg.data.path} is missing: making it (spmd data make)")
-            self.make_data()
-
-    def _source(self, split: str, shuffle: bool) -> ArraySource:
-        count = self.cfg.data.num_train if split == "train" else self.cfg.data.num_test
-        return ArraySource.from_config(self.cfg, split, self.batch_fields(), DATASETS,
-                                       shuffle=shuffle, count=count)
-
-    def train_source(self) -> ArraySource:
-        return self._source("train", shuffle=True)
-
-    def eval_source(self) -> ArraySource | None:
-        return self._source("test", shuffle=False) if self.cfg.train.eval_every else None
-
-    # ------------------------------------------------------------ model
-
-    def loss(self, model, batch):
-        return jnp.mean((model(batch["u0"]) - batch["u1"]) ** 2), {}
-
-    def eval_metrics(self, model, batch) -> dict:
-        pred = model(batch["u0"])
-        return {"eval_loss": jnp.mean((pred - batch["u1"]) ** 2),
-                "test_rel_l2": jnp.mean(relative_l2(pred, batch["u1"]))}
-
-    def sample_outputs(self, model, batch) -> dict:
-        pred = model(batch["u0"])[..., 0]
-        return {"input": batch["u0"][..., 0], "truth": batch["u1"][..., 0],
-                "prediction": pred, "error": pred - batch["u1"][..., 0]}
-
-    def plot(self, out_dir, sample) -> list:
-        from spmd.plots import plot_fields
-
-        return [plot_fields(sample, Path(out_dir) / "samples.png",
-                            title="3-D heat step: middle z slice of test volumes")]
+    def data_attrs(self) -> dict:
+        m = self.cfg.model
+        return {"problem": "3-D heat equation", "grid": m.grid, "diffusion": m.diffusion}

@@ -1,15 +1,14 @@
 """A small vision transformer learns the periodic 2-D Poisson operator f -> u, -lap u = f.
 
-A user project: it imports only spmd's public API (`spmd`, `spmd.sharding`, `spmd.data`).
+A user project: it imports only spmd's public API (`spmd`, `spmd.sharding`).
 Patches of the 32x32 source field f become tokens (`length`), a few pre-norm transformer
 blocks (annotated `embed`, `mlp`, `heads`) mix them globally, and each token's output is
-the patch of u it covers. `make_data` writes the fields (random low-mode sources, solved
-exactly by FFT) as an HDF5 file read through spmd's generic array source.
+the patch of u it covers. As a `spmd.FieldTask` it only says how to make examples (random
+low-mode sources, solved exactly by FFT); spmd writes them to an HDF5 file and reads them
+back through its generic array source.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +17,10 @@ from flax import nnx
 from pydantic import Field, model_validator
 
 import spmd
-from spmd.data import ArraySource, write_arrays
 from spmd.sharding import constrain, with_axes
 
 FIELD = ("batch", "x", "y", "channels")
 TOKENS = ("batch", "length", "embed")
-DATASETS = {"f": "{split}/f", "u": "{split}/u"}   # data.fields may override
 
 _init, _zeros, _ones = (nnx.initializers.lecun_normal(), nnx.initializers.zeros_init(),
                         nnx.initializers.ones_init())
@@ -100,12 +97,10 @@ def poisson_pairs(count: int, grid: int, modes: int, seed: int) -> tuple[np.ndar
     return f.astype(np.float32), (4.0 * u).astype(np.float32)
 
 
-def relative_l2(pred: jax.Array, truth: jax.Array) -> jax.Array:
-    axes = tuple(range(1, truth.ndim))
-    return jnp.sqrt(jnp.sum((pred - truth) ** 2, axes) / jnp.sum(truth**2, axes))
+class ViTTask(spmd.FieldTask):
+    input_name, target_name, field_axes = "f", "u", FIELD
+    sample_title = "Poisson: source f, solution u and the ViT's prediction"
 
-
-class ViTTask(spmd.Task):
     class Config(spmd.ModelConfig):
         grid: int = Field(32, ge=4)
         patch: int = Field(4, ge=1)
@@ -126,63 +121,14 @@ class ViTTask(spmd.Task):
         m = self.cfg.model
         return ViT2d(m.grid, m.patch, m.embed, m.heads, m.mlp, m.depth, rngs=rngs)
 
-    def batch_fields(self) -> dict[str, spmd.BatchField]:
-        shape = (self.cfg.model.grid, self.cfg.model.grid, 1)
-        return {name: spmd.BatchField(shape, np.float32, FIELD) for name in ("f", "u")}
+    def field_shape(self) -> tuple[int, ...]:
+        return (self.cfg.model.grid, self.cfg.model.grid, 1)
 
-    # ------------------------------------------------------------ data
+    def make_pairs(self, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        m = self.cfg.model
+        f, u = poisson_pairs(count, m.grid, m.modes, seed)
+        return f[..., None], u[..., None]
 
-    def make_data(self, *, workers: int = 1, force: bool = False, **options) -> str:
-        """`spmd data make`: write data.path (train and test splits) if missing."""
-        path, d, m = Path(self.cfg.data.path), self.cfg.data, self.cfg.model
-        if path.exists() and not force:
-            return f"{path} exists ({self.describe_data()})"
-        arrays = {}
-        for split, count, seed in (("train", d.num_train, d.seed), ("test", d.num_test,
-                                                                     d.seed + 1)):
-            arrays[f"{split}/f"], arrays[f"{split}/u"] = poisson_pairs(count, m.grid, m.modes,
-                                                                       seed)
-        write_arrays(path, arrays, {"problem": "2-D periodic Poisson", "grid": m.grid,
-                                    "modes": m.modes, "seed": d.seed})
-        return f"wrote {path}: {d.num_train} train and {d.num_test} test fields of {m.grid}^2"
-
-    def describe_data(self) -> str:
-        train = self._source("train", True)
-        return f"{self.cfg.data.path}: {train.count} train fields, fields {train.datasets}"
-
-    def prepare(self, is_coordinator: bool) -> None:
-        if is_coordinator and not Path(self.cfg.data.path).exists():
-            print(f"data.path {self.cfg.data.path} is missing: making it (spmd data make)")
-            self.make_data()
-
-    def _source(self, split: str, shuffle: bool) -> ArraySource:
-        count = self.cfg.data.num_train if split == "train" else self.cfg.data.num_test
-        return ArraySource.from_config(self.cfg, split, self.batch_fields(), DATASETS,
-                                       shuffle=shuffle, count=count)
-
-    def train_source(self) -> ArraySource:
-        return self._source("train", shuffle=True)
-
-    def eval_source(self) -> ArraySource | None:
-        return self._source("test", shuffle=False) if self.cfg.train.eval_every else None
-
-    # ------------------------------------------------------------ model
-
-    def loss(self, model, batch):
-        return jnp.mean((model(batch["f"]) - batch["u"]) ** 2), {}
-
-    def eval_metrics(self, model, batch) -> dict:
-        pred = model(batch["f"])
-        return {"eval_loss": jnp.mean((pred - batch["u"]) ** 2),
-                "test_rel_l2": jnp.mean(relative_l2(pred, batch["u"]))}
-
-    def sample_outputs(self, model, batch) -> dict:
-        pred = model(batch["f"])[..., 0]
-        return {"input": batch["f"][..., 0], "truth": batch["u"][..., 0],
-                "prediction": pred, "error": pred - batch["u"][..., 0]}
-
-    def plot(self, out_dir, sample) -> list:
-        from spmd.plots import plot_fields
-
-        return [plot_fields(sample, Path(out_dir) / "samples.png",
-                            title="Poisson: source f, solution u and the ViT's prediction")]
+    def data_attrs(self) -> dict:
+        m = self.cfg.model
+        return {"problem": "2-D periodic Poisson", "grid": m.grid, "modes": m.modes}

@@ -35,6 +35,7 @@ from spmd.data.fields import (
 )
 from spmd.models.fno import FIELD, FNO2d
 from spmd.tasks.base import Task
+from spmd.tasks.fields import relative_l2
 
 log = logging.getLogger("spmd.tasks.operator")
 
@@ -83,13 +84,6 @@ def validate_dataset(cfg) -> FieldsInfo:
     check_fields(info, grid=m.grid, in_channels=m.in_channels, out_channels=m.out_channels,
                  num_train=d.num_train, num_test=d.num_test)
     return info
-
-
-def relative_l2(pred: jax.Array, truth: jax.Array) -> jax.Array:
-    """Per-sample ||pred - truth|| / ||truth|| over all grid points and channels."""
-    axes = tuple(range(1, truth.ndim))
-    diff = jnp.sqrt(jnp.sum((pred - truth) ** 2, axis=axes))
-    return diff / jnp.maximum(jnp.sqrt(jnp.sum(truth**2, axis=axes)), 1e-12)
 
 
 class FnoConfig(ModelConfig):
