@@ -64,3 +64,17 @@ def test_gpu_mfu_tiny_compare_reports_ratio_mfu_and_compile_times():
     assert r["ratio"]["median"] > 0 and r["ratio"]["n"] == 2 and len(r["ratio_ci95"]) == 2
     assert r["mfu"] is not None and r["plain_mfu"] is not None
     assert "spmd/plain" in proc.stdout
+
+
+@pytest.mark.slow
+def test_pipeline_bubble_short_reports_the_model_and_1f1b_memory():
+    proc, out = bench("pipeline_bubble.py", "--short")
+    assert proc.returncode == 0 and out is not None, proc.stdout + proc.stderr
+    assert out["benchmark"] == "pipeline_bubble" and out["stages"] == 4
+    by = {(r["schedule"], r["microbatches"]): r for r in out["results"]}
+    assert set(by) == {(s, m) for s in ("gpipe", "1f1b") for m in (1, 2)}
+    for (_, m), r in by.items():
+        assert r["bubble_model"] == pytest.approx(3 / (m + 3))  # (p - 1) / (M + p - 1), p = 4
+        assert r["step_s"] > 0 and 0 <= r["bubble_measured"] <= 1
+    for m in (1, 2):  # 1F1B keeps a ring of stage inputs, not every microbatch's activations
+        assert by[("1f1b", m)]["temp_bytes"] < by[("gpipe", m)]["temp_bytes"]
