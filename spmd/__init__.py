@@ -34,7 +34,7 @@ _PUBLIC = {
     "FieldTask": "spmd.tasks.fields",
     "BatchField": "spmd.data.batch",
     "DataSource": "spmd.data.batch",
-    "ModelConfig": "spmd.tasks.base",
+    "ModelConfig": "spmd.config",
     "Config": "spmd.config",
     "load_config": "spmd.config",
     "Trainer": "spmd.trainer",

@@ -10,28 +10,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import jax
 from flax import nnx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from spmd.config import Config, ModelConfig
 from spmd.data.batch import BatchField, DataSource
-
-if TYPE_CHECKING:
-    from spmd.config import Config
-
-
-class ModelConfig(BaseModel):
-    """Base of a task's `model:` section: strict (unknown keys are errors) and frozen.
-
-    `name` is optional for a task named by `task: module:Class`; a registered task's name
-    (e.g. `fno`) selects it when `task:` is absent.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str | None = None
 
 
 class Task(abc.ABC):
