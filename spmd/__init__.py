@@ -43,15 +43,20 @@ _PUBLIC = {
     "train": "spmd.api",
 }
 
+def lazy_exports(package: str, table: dict[str, str]):
+    """`__getattr__` and `__dir__` for a package whose public names (name -> module) load on
+    first use, so importing the package pulls in none of their dependencies."""
+    def getattr_(name: str) -> Any:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module '{package}' has no attribute '{name}'")
+        return getattr(importlib.import_module(module), name)
+
+    def dir_() -> list[str]:
+        return sorted({*vars(importlib.import_module(package)), *table})
+
+    return getattr_, dir_
+
+
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'spmd' has no attribute '{name}'")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -7,8 +7,7 @@ The public names for a user's task load lazily (no h5py/grain import until used)
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from spmd import lazy_exports
 
 _PUBLIC = {
     "BatchField": "spmd.data.batch",
@@ -19,10 +18,4 @@ _PUBLIC = {
 }
 
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'spmd.data' has no attribute '{name}'")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)
