@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 # Before anything imports jax: this process gets 8 CPU devices, subprocesses choose their own.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,6 +35,23 @@ def run_spmd(*args: str, env: dict[str, str] | None = None, timeout: float = 300
         [sys.executable, "-m", "spmd.cli", *args], capture_output=True, text=True,
         env=env or clean_env(), timeout=timeout, cwd=cwd or REPO,
     )
+
+
+# What the checkpointer needs of a LaunchEnv, for a single process (in-process unit tests).
+ONE_PROCESS = SimpleNamespace(rank=0, size=1, node_of_rank=(0,), num_nodes=1)
+
+
+class RecordedEvents:
+    """An EventLog stand-in that keeps the emitted events in memory."""
+
+    def __init__(self):
+        self.records = []
+
+    def emit(self, event, **fields):
+        self.records.append({"event": event, **fields})
+
+    def of(self, name):
+        return [r for r in self.records if r["event"] == name]
 
 
 def require(condition: bool, reason: str) -> None:

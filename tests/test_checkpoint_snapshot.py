@@ -8,7 +8,6 @@ reused host buffers, `pinned` transfers into the CPU backend's pinned_host memor
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -17,23 +16,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import ONE_PROCESS, RecordedEvents
 from spmd.checkpoint import make_checkpointer
 from spmd.checkpoint.snapshot import resolve_mode
 from spmd.config import config_from_dict
 from spmd.errors import ConfigError
-
-ENV = SimpleNamespace(rank=0, size=1, node_of_rank=(0,), num_nodes=1)
-
-
-class Events:
-    def __init__(self):
-        self.records = []
-
-    def emit(self, event, **fields):
-        self.records.append({"event": event, **fields})
-
-    def of(self, name):
-        return [r for r in self.records if r["event"] == name]
 
 
 def _cfg(run_dir: Path, **ck):
@@ -91,8 +78,8 @@ def meshes():
 def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
         tmp_path, meshes, mode):
     mesh, other = meshes
-    events = Events()
-    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ENV, events)
+    events = RecordedEvents()
+    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ONE_PROCESS, events)
     state = _state(mesh, seed=1)
     assert ck.restore(_abstract(state)) is None
     snapper = ck.snapshotter
@@ -129,8 +116,8 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
     assert 0 < summary["blocked_fraction"] < 1
 
     # the committed checkpoints hold the pre-step bytes, bit for bit, in both tiers
-    events = Events()
-    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ENV, events)
+    events = RecordedEvents()
+    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ONE_PROCESS, events)
     r = ck.restore(_abstract(_state(mesh)))
     assert (r.step, r.source) == (4, "local") and _same_bytes(r.state, expected[4])
     (timing,) = events.of("restore_timing")
@@ -141,7 +128,7 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
     ck.wait()
     assert _same_bytes(r.state, expected[4])
     ck.close()
-    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ENV, Events())
+    ck = make_checkpointer(_cfg(tmp_path, snapshot=mode), ONE_PROCESS, RecordedEvents())
     r = ck.restore(_abstract(jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(other, P())), _state(mesh))))
     assert (r.step, r.source) == (4, "persistent") and _same_bytes(r.state, expected[4])

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import run_spmd
+from conftest import ONE_PROCESS, RecordedEvents, run_spmd
 from spmd.checkpoint import CheckpointError, make_checkpointer
 from spmd.checkpoint.files import ChecksumError, read_json, write_json_atomic
 from spmd.checkpoint.inspect import scan_local, scan_persistent, verify_local
@@ -128,15 +128,8 @@ def _cfg(run_dir: Path, **ck) -> object:
                              "checkpoint": {"every": 2, "persistent_every": 4, "keep": 2, **ck}})
 
 
-ENV = SimpleNamespace(rank=0, size=1, node_of_rank=(0,), num_nodes=1)
 
 
-class Events:
-    def __init__(self):
-        self.records = []
-
-    def emit(self, event, **fields):
-        self.records.append({"event": event, **fields})
 
 
 def _state(mesh, spec, seed=0):
@@ -168,8 +161,8 @@ def meshes():
 
 def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
     mesh, other = meshes
-    cfg, events = _cfg(tmp_path), Events()
-    ck = make_checkpointer(cfg, ENV, events)
+    cfg, events = _cfg(tmp_path), RecordedEvents()
+    ck = make_checkpointer(cfg, ONE_PROCESS, events)
     assert ck.restore(_abstract(mesh, P("data", "tensor"))) is None
     states = {s: _state(mesh, P("data", "tensor"), seed=s) for s in range(1, 9)}
     for s in range(1, 9):
@@ -182,11 +175,11 @@ def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
     assert [s.step for s in scan_persistent(tmp_path / "checkpoints")] == [4, 8]
 
     # same layout: the local tier; another mesh: the persistent tier, resharded
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert (r.step, r.source) == (8, "local") and _same(r.state, states[8])
     ck.close()
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     r = ck.restore(_abstract(other, P(None, "data")))
     assert (r.step, r.source) == (8, "persistent") and _same(r.state, states[8])
     assert r.state["params"]["w"].sharding.spec == P(None, "data")
@@ -198,8 +191,8 @@ def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
     data[7] ^= 0x40
     blob.write_bytes(bytes(data))
     assert verify_local(tmp_path / "local")[0][0].startswith(str(blob))
-    events = Events()
-    ck = make_checkpointer(cfg, ENV, events)
+    events = RecordedEvents()
+    ck = make_checkpointer(cfg, ONE_PROCESS, events)
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert (r.step, r.source) == (8, "persistent") and _same(r.state, states[8])
     fallback = [e for e in events.records if e["event"] == "restore_fallback"]
@@ -210,7 +203,7 @@ def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
 def test_failed_save_surfaces_and_keeps_previous_latest(tmp_path, meshes):
     mesh, _ = meshes
     cfg = _cfg(tmp_path, persistent_every=0)
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     state = _state(mesh, P("data", "tensor"), seed=2)
     ck.maybe_save(2, state)
     ck.wait()
@@ -224,7 +217,7 @@ def test_failed_save_surfaces_and_keeps_previous_latest(tmp_path, meshes):
     assert "step 4 was not committed" in str(err.value)
     ck.close()
     (tmp_path / "local" / "4").unlink()
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert r.step == 2 and _same(r.state, state)
     ck.close()
@@ -235,7 +228,7 @@ def test_sync_mode_raises_in_maybe_save(tmp_path, meshes):
     cfg = _cfg(tmp_path, persistent_every=0, **{"async": False})
     (tmp_path / "local").mkdir(parents=True)
     (tmp_path / "local" / "2").write_text("in the way")
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     with pytest.raises(CheckpointError, match="local/2"):
         ck.maybe_save(2, _state(mesh, P("data", "tensor")))
     ck.close()
@@ -247,7 +240,7 @@ def test_ckpt_cli_ls_and_verify(tmp_path, meshes):
     cfg = _cfg(run_dir)
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     for s in (2, 4):
         ck.maybe_save(s, _state(mesh, P("data", "tensor"), seed=s))
     ck.close()
@@ -271,10 +264,12 @@ def test_compressed_and_uncompressed_persistent_steps_restore_either_way(tmp_pat
     state = _state(mesh, P("data", "tensor"), seed=3)
     for save_compressed in (True, False):
         run = tmp_path / f"c{save_compressed}"
-        ck = make_checkpointer(_cfg(run, every=0, compress=save_compressed), ENV, Events())
+        ck = make_checkpointer(_cfg(run, every=0, compress=save_compressed), ONE_PROCESS,
+                               RecordedEvents())
         ck.maybe_save(4, state)
         ck.close()
-        ck = make_checkpointer(_cfg(run, every=0, compress=not save_compressed), ENV, Events())
+        ck = make_checkpointer(_cfg(run, every=0, compress=not save_compressed), ONE_PROCESS,
+                               RecordedEvents())
         r = ck.restore(_abstract(other, P("data", None)))
         assert (r.step, r.source) == (4, "persistent") and _same(r.state, state)
         ck.close()
@@ -283,7 +278,7 @@ def test_compressed_and_uncompressed_persistent_steps_restore_either_way(tmp_pat
 def test_failed_persistent_save_surfaces_and_keeps_previous_step(tmp_path, meshes):
     mesh, _ = meshes
     cfg = _cfg(tmp_path, every=0, persistent_every=2)
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     state = _state(mesh, P("data", "tensor"), seed=2)
     ck.maybe_save(2, state)
     ck.wait()
@@ -297,7 +292,7 @@ def test_failed_persistent_save_surfaces_and_keeps_previous_step(tmp_path, meshe
         ck.close()
     pers.unlink()
     (tmp_path / "moved").rename(pers)
-    ck = make_checkpointer(cfg, ENV, Events())
+    ck = make_checkpointer(cfg, ONE_PROCESS, RecordedEvents())
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert (r.step, r.source) == (2, "persistent") and _same(r.state, state)
     ck.close()
