@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from spmd.config import Config, config_from_dict, load_config
+from spmd.config import Config, config_from_dict, load_config, with_overrides
 from spmd.hooks import Hook
 from spmd.tasks import Task
 
@@ -23,10 +23,7 @@ def as_config(config: Config | str | Path | dict | None, overrides: list[str] | 
             return config
         config = config.model_dump(mode="json", by_alias=True)
     if isinstance(config, dict):
-        from spmd.config import _merge, parse_overrides
-
-        raw = _merge(config, parse_overrides(overrides or []))
-        return config_from_dict(raw, "<dict>", task)
+        return config_from_dict(with_overrides(config, overrides or []), "<dict>", task)
     return load_config(config, overrides, task)
 
 

@@ -260,5 +260,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} does not parse as YAML: {e}") from None
     if overrides:
-        raw = _merge(raw if isinstance(raw, dict) else {}, parse_overrides(overrides))
+        raw = with_overrides(raw if isinstance(raw, dict) else {}, overrides)
     return config_from_dict(raw, source, task)
+
+
+def with_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`raw` with dotted `key=value` overrides merged in (a new dict)."""
+    return _merge(raw, parse_overrides(overrides))
