@@ -115,9 +115,11 @@ def _from_comm(f: schedulers.Found, v: schedulers.Vars, comm: Any, hostname: str
                                  else "hostname allgather over MPI")
     host_layout = group_by_key(hosts)
     lr, ls = local_position(host_layout, crank)
-    if f.local_rank is None:
+    # The physical host decides (device binding), over the launcher's word: Hydra's
+    # MPI_LOCALRANKID counts per proxy, and `spmd run` gives each stand-in node its own.
+    if f.sources.get("local_rank") != "SPMD_LOCAL_RANK":
         f.local_rank, f.sources["local_rank"] = lr, "position among ranks on this host (MPI)"
-    if f.local_size is None:
+    if f.sources.get("local_size") != "SPMD_LOCAL_SIZE":
         f.local_size, f.sources["local_size"] = ls, "ranks on this host (MPI allgather)"
 
 

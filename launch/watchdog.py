@@ -16,8 +16,10 @@ variables are not set, so no thread runs.
 Peers: `watch_peers` (bootstrap, under MPI) adds the other ranks on this host, learned by an
 allgather of (host, pid, start time); when one is gone, this rank prints one line naming the
 lost rank and ends the same way. `spmd run` tells Hydra's mpiexec not to kill the survivors
-itself (-disable-auto-cleanup) so that they can say which rank they lost. Ranks on other hosts
-are covered by jax.distributed's heartbeat (launch.heartbeat_timeout_s) and the scheduler.
+itself (-disable-auto-cleanup, and one Hydra proxy per stand-in node, since a proxy SIGKILLs
+its other ranks when one dies by a signal) so that they can say which rank they lost. Ranks
+on other hosts are covered by jax.distributed's heartbeat (launch.heartbeat_timeout_s) and
+the scheduler.
 A rank whose Python exits (normally or by an exception) first runs an atexit handler that
 leaves a marker file `rank<R>` in a directory of the temp dir named after rank 0's (host, pid,
 start time); a vanished peer with a marker ended on its own and is not a loss. SIGKILL, the
@@ -30,6 +32,7 @@ Without /proc (not Linux) only existence is checked (kill(pid, 0)).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import sys
@@ -96,9 +99,15 @@ def launcher_from(environ: Mapping[str, str]) -> tuple[int, int | None] | None:
 
 
 def _end(line: str) -> None:
-    print(f"spmd: error: {line}; ending this rank with status {ORPHANED_EXIT_CODE} (saves in "
-          "flight stay uncommitted; resume from the last committed checkpoint)", file=sys.stderr,
-          flush=True)
+    text = (f"{line}; ending this rank with status {ORPHANED_EXIT_CODE} (saves in flight stay "
+            "uncommitted; resume from the last committed checkpoint)")
+    print(f"spmd: error: {text}", file=sys.stderr, flush=True)
+    # also into the rank's own log file, if one is open (a FileHandler flushes per record):
+    # the launcher that forwards stderr may already be tearing down and drop the line above
+    record = logging.LogRecord("spmd.launch", logging.ERROR, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
     os._exit(ORPHANED_EXIT_CODE)
 
 

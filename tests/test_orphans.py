@@ -138,6 +138,7 @@ def test_killing_one_rank_ends_the_other_naming_it(reference, tmp_path):
     log = (tmp_path / "rank.log").read_text()
     assert code != 0, log
     assert f"rank 0 on {os.uname().nodename}: lost rank 1 (pid {ranks[1]}" in log, log
+    assert "lost rank 1" in (run_dir / "logs" / "rank00000.log").read_text()  # and in its log
     assert not tagged_pids(tag)
     assert not list((run_dir / "local").glob("9/rank*/COMMITTED"))
 

@@ -63,8 +63,8 @@ def find_mpiexec() -> Path:
                     "(the mpich wheel), or load your site's MPI module")
 
 
-def flavor_args(mpiexec: Path) -> list[str]:
-    """Options that keep a local job on this machine for the MPI at hand."""
+def flavor_args(mpiexec: Path, n: int = 1, ppn: int = 1) -> list[str]:
+    """Options that keep a local job of `n` ranks, `ppn` per node, on this machine."""
     try:
         out = subprocess.run([str(mpiexec), "--version"], capture_output=True, text=True,
                              timeout=20)
@@ -73,8 +73,13 @@ def flavor_args(mpiexec: Path) -> list[str]:
         raise SpmdError(f"{mpiexec} --version failed ({e}); is this MPI installed correctly?"
                         ) from None
     if "HYDRA" in version:  # MPICH / Intel MPI: fork locally, never via srun or ssh
-        # The ranks' watchdogs end the survivors of a lost rank themselves, naming it.
-        return ["-launcher", "fork", "-disable-auto-cleanup"]
+        # The ranks' watchdogs end the survivors of a lost rank themselves, naming it. Hydra's
+        # proxy SIGKILLs its other ranks when one dies by a signal (whatever
+        # -disable-auto-cleanup says), so each stand-in node gets a proxy of its own: one
+        # host name per node (the fork launcher starts them all here).
+        nodes = max(1, -(-n // max(1, ppn)))
+        hosts = ",".join(f"spmd-node{i}" for i in range(nodes))
+        return ["-launcher", "fork", "-disable-auto-cleanup", "-ppn", str(ppn), "-hosts", hosts]
     if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
         return ["--oversubscribe", "--bind-to", "none"]
     return []
@@ -122,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         check_lease(args.config, args.overrides)
     rank_cmd = [sys.executable, "-m", "spmd.cli", *(["--debug"] if args.debug else []),
                 args.entry, args.config, *args.overrides]
-    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec), *rank_cmd]
+    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, args.n, args.ppn), *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
     proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True,
