@@ -16,7 +16,7 @@ is not counted, and medians with min-max spread are reported. One process; on CP
 "device" is host memory, so the D2H copy is a memcpy.
 
     python benchmarks/checkpoint_bench.py [--mb 256 | --gb 9] [--reps 5] [--dir DIR]
-        [--snapshot auto|host|pinned|device] [--compress] [--train-steps 40 --every 10]
+        [--snapshot auto|alias|host|pinned|device] [--compress] [--train-steps 40 --every 10]
         [--model 760m]
     python benchmarks/checkpoint_bench.py --short      # CI: small state, never fails
 
@@ -26,6 +26,7 @@ Prints a table, a PASS/FAIL line (full mode; exit 1 on FAIL) and, last, one JSON
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=int, default=256, help="state size in MiB (default 256)")
     ap.add_argument("--gb", type=float, default=None,
                     help="state size in GiB (overrides --mb; >= 8 for the GPU figure)")
-    ap.add_argument("--snapshot", default="auto", choices=("auto", "host", "pinned", "device"),
+    ap.add_argument("--snapshot", default="auto",
+                    choices=("auto", "alias", "host", "pinned", "device"),
                     help="checkpoint.snapshot for the spmd checkpointers (default auto)")
     ap.add_argument("--train-steps", type=int, default=0,
                     help="also measure training throughput over this many steps, "
@@ -177,14 +179,24 @@ def run(args: argparse.Namespace, base: Path) -> int:
     results: dict[str, list[float]] = {k: [] for k in (
         "async_blocking_s", "async_total_s", "sync_blocking_s", "persistent_blocking_s",
         "persistent_total_s", "persistent_orbax_s", "persistent_bytes", "raw_s",
-        "orbax_blocking_s", "orbax_total_s")}
+        "orbax_blocking_s", "orbax_total_s", "async_next_step_s", "orbax_next_step_s",
+        "plain_step_s")}
     step = 0
     for rep in range(args.reps + 1):     # round 0 warms up (compiles, Orbax start-up)
         step += 1
         os.sync()   # every timed phase starts with no dirty pages of the previous one
+        state = _donating(state)       # a step with nothing saved, for the next-step cost
+        jax_block(state)
+        tp = time.perf_counter()
+        state = _donating(state)
+        jax_block(state)
+        plain_step = time.perf_counter() - tp
         t0 = time.perf_counter()
         ck_async.maybe_save(step, state)
         t1 = time.perf_counter()
+        state = _donating(state)       # the trainer's next (donating) step, while it writes
+        jax_block(state)
+        async_next = time.perf_counter() - t1
         ck_async.wait()
         t2 = time.perf_counter()
         os.sync()
@@ -204,6 +216,10 @@ def run(args: argparse.Namespace, base: Path) -> int:
         jax_block(fresh)
         t6 = time.perf_counter()
         orbax_blocking = orbax.save(step, fresh)
+        tn = time.perf_counter()
+        fresh = _donating(fresh)
+        jax_block(fresh)
+        orbax_next = time.perf_counter() - tn
         orbax.wait()
         orbax_total = time.perf_counter() - t6
         del fresh
@@ -217,6 +233,9 @@ def run(args: argparse.Namespace, base: Path) -> int:
         results["persistent_orbax_s"].append(orbax_write)
         results["orbax_blocking_s"].append(orbax_blocking)
         results["orbax_total_s"].append(orbax_total)
+        results["async_next_step_s"].append(async_next)
+        results["orbax_next_step_s"].append(orbax_next)
+        results["plain_step_s"].append(plain_step)
         for k, v in (("async_blocking_s", t1 - t0), ("async_total_s", t2 - t0),
                      ("sync_blocking_s", t3 - t2), ("persistent_blocking_s", t4 - t3),
                      ("persistent_total_s", t5 - t3), ("persistent_bytes", pers_bytes),
@@ -235,6 +254,15 @@ def run(args: argparse.Namespace, base: Path) -> int:
     ratio_tput = paired_ratios(results["raw_s"], results["persistent_total_s"])
     ratio_orbax = paired_ratios(results["raw_s"], results["persistent_orbax_s"])
     ratio_local_orbax = paired_ratios(results["async_blocking_s"], results["orbax_blocking_s"])
+    # what a save costs the step loop in all: blocking plus the next step's extra time
+    # (zero-copy views make the next donating step allocate fresh buffers)
+    cost_local = [b + n - p for b, n, p in zip(results["async_blocking_s"],
+                                               results["async_next_step_s"],
+                                               results["plain_step_s"])]
+    cost_orbax = [b + n - p for b, n, p in zip(results["orbax_blocking_s"],
+                                               results["orbax_next_step_s"],
+                                               results["plain_step_s"])]
+    ratio_cost = paired_ratios(cost_local, cost_orbax)
     ratio_pers_orbax = paired_ratios(results["persistent_blocking_s"],
                                      results["orbax_blocking_s"])
     nb = statistics.median(results["persistent_bytes"])
@@ -268,14 +296,22 @@ def run(args: argparse.Namespace, base: Path) -> int:
         "blocking_ratio_local_over_orbax": {**stats(ratio_local_orbax),
                                             "target": f"<= {ORBAX_TARGET}"},
         "blocking_ratio_persistent_over_orbax": stats(ratio_pers_orbax),
+        "plain_step_s": stats(results["plain_step_s"]),
+        "async_next_step_s": stats(results["async_next_step_s"]),
+        "orbax_next_step_s": stats(results["orbax_next_step_s"]),
+        "save_cost_local_s": stats(cost_local),
+        "save_cost_orbax_s": stats(cost_orbax),
+        "save_cost_ratio_local_over_orbax": stats(ratio_cost),
         "train": train,
     }
     rows = [("measure", "median", "[min, max]", "target")]
     for key in ("async_blocking_s", "sync_blocking_s", "async_total_s",
                 "persistent_blocking_s", "orbax_async_blocking_s", "orbax_async_total_s",
                 "blocking_ratio_async_over_sync", "blocking_ratio_local_over_orbax",
-                "blocking_ratio_persistent_over_orbax",
-                "throughput_ratio_persistent_over_raw", "throughput_ratio_orbax_write_over_raw"):
+                "blocking_ratio_persistent_over_orbax", "plain_step_s", "async_next_step_s",
+                "orbax_next_step_s", "save_cost_local_s", "save_cost_orbax_s",
+                "save_cost_ratio_local_over_orbax", "throughput_ratio_persistent_over_raw",
+                "throughput_ratio_orbax_write_over_raw"):
         r = record[key]
         rows.append((key, f"{r['median']:.4f}", f"[{r['min']:.4f}, {r['max']:.4f}]",
                      r.get("target", "")))
@@ -311,6 +347,18 @@ def _bump(tree):
     import jax
 
     return jax.tree.map(lambda x: x + 0, tree)
+
+
+@functools.cache
+def _donating_step():
+    import jax
+
+    return jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
+
+
+def _donating(tree):
+    """One donating step, as the trainer's: every leaf's buffer is rewritten in place."""
+    return _donating_step()(tree)
 
 
 def jax_block(tree) -> None:

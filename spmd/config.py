@@ -27,6 +27,9 @@ class RunConfig(_Section):
     plots: bool = True        # rank 0 writes run.dir/plots/*.png when training ends
     # A run.dir lease held from another host without a heartbeat this long is taken over.
     lease_stale_s: float = Field(300.0, gt=0)
+    # JAX's persistent compilation cache: a requeued or resumed job loads its compiled
+    # steps from here instead of compiling again (null: off, or JAX_COMPILATION_CACHE_DIR).
+    compilation_cache: Path | None = None
 
 
 class ModelConfig(BaseModel):
@@ -88,10 +91,11 @@ class CheckpointConfig(_Section):
     async_: bool = Field(True, alias="async")
     timeout_s: float = Field(600.0, gt=0)
     compress: bool = False                  # zstd in the persistent tier (Orbax's default: on)
-    # What a save blocks for: auto | host (D2H into reused host buffers) | pinned (D2H into
-    # pinned host memory) | device (on-device copy, D2H in the background). See
+    # What a save blocks for: auto | alias (CPU: zero-copy views, as Orbax) | host (D2H into
+    # reused host buffers) | pinned (D2H into pinned host memory) | device (on-device copy,
+    # D2H in the background). See
     # spmd/checkpoint/snapshot.py.
-    snapshot: Literal["auto", "host", "pinned", "device"] = "auto"
+    snapshot: Literal["auto", "alias", "host", "pinned", "device"] = "auto"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -74,7 +74,7 @@ def meshes():
             jax.sharding.Mesh(devices.reshape(8, 1), ("data", "tensor")))
 
 
-@pytest.mark.parametrize("mode", ["host", "pinned", "device"])
+@pytest.mark.parametrize("mode", ["alias", "host", "pinned", "device"])
 def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
         tmp_path, meshes, mode):
     mesh, other = meshes
@@ -87,8 +87,10 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
     assert snapper.mode == mode and snapper.buffers is not None
     buffers, allocations = snapper.buffers, snapper.buffers.allocations
     addresses = buffers.addresses()
-    if mode != "pinned":   # pinned: the local tier reads the pinned arrays themselves
+    if mode in ("host", "device"):   # pinned/alias: the tiers read the arrays/views themselves
         assert allocations > 0 and len(addresses) == allocations
+    else:
+        assert allocations == 0
 
     expected = {}
     for step in (1, 2, 3, 4):
@@ -96,7 +98,8 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
         ck.maybe_save(step, state)
         old = jax.tree.leaves(state)
         state = _donating_step(state)      # right after maybe_save returns
-        assert all(x.is_deleted() for x in old), "the step did not donate the saved state"
+        if mode != "alias":   # alias: the views pin buffers that XLA then will not reuse
+            assert all(x.is_deleted() for x in old), "the step did not donate the saved state"
     ck.wait()
     # nothing was allocated by the saves: same buffer objects at the same addresses
     assert snapper.buffers is buffers and buffers.allocations == allocations
@@ -136,10 +139,10 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
     ck.close()
 
 
-def test_auto_picks_the_host_path_on_cpu_and_explicit_modes_are_kept(meshes):
+def test_auto_picks_zero_copy_views_on_cpu_and_explicit_modes_are_kept(meshes):
     leaves = jax.tree.leaves(_abstract(_state(meshes[0])))
-    assert resolve_mode("auto", leaves)[0] == "host"
-    for mode in ("host", "pinned", "device"):
+    assert resolve_mode("auto", leaves)[0] == "alias"
+    for mode in ("alias", "host", "pinned", "device"):
         assert resolve_mode(mode, leaves)[0] == mode
     with pytest.raises(ValueError, match="checkpoint.snapshot"):
         resolve_mode("fast", leaves)
@@ -151,3 +154,26 @@ def test_invalid_snapshot_mode_is_a_one_line_config_error(tmp_path):
     message = str(e.value)
     assert "checkpoint.snapshot" in message and "\n" not in message
     assert "'device'" in message and "'pinned'" in message
+
+
+def test_alias_views_survive_a_donating_step_that_rewrites_the_state(meshes):
+    """The zero-copy views pin the buffers: each donating step leaves every piece's bytes."""
+    from spmd.checkpoint.layout import SaveLayout
+    from spmd.checkpoint.snapshot import Snapshotter
+
+    state = _state(meshes[0], seed=2)
+    snapper = Snapshotter("alias", rank=0, timeout_s=10)
+    snapper.prepare(SaveLayout.build(state, 1, True), state, local=True, persistent=True)
+    assert snapper.mode == "alias" and snapper.buffers.allocations == 0
+    for step in range(3):
+        before = _host(state)
+        snap, _, blocking = snapper.take(step, state, consumers=1)
+        for _ in range(2):                 # two in-place rewrites while the snapshot lives
+            state = _donating_step(state)
+        jax.block_until_ready(state)
+        saved = jax.tree.leaves(snap.arrays())
+        assert all(np.asarray(a).tobytes() == b.tobytes() for a, b in zip(saved, before))
+        pieces = snap.pieces(snapper.alias_pids)
+        assert pieces and all(not p.flags.writeable for p in pieces)
+        snap.release()
+        assert snapper._live is None and snap.views == {}

@@ -4,21 +4,27 @@
 device or pinned snapshot, crc32, files, partner exchange, Orbax, agreement, commit) reads the
 `Snapshot` in the background. Modes (`checkpoint.snapshot`):
 
+* ``alias``  - CPU only: zero-copy read-only NumPy views of this process's shards (what
+  Orbax's async save does there). A view is an external reference to the buffer, so a
+  donating train step right after cannot reuse it: XLA gives that step fresh output buffers
+  and the old ones live until the snapshot is released. No copy blocks the step; the price
+  is one extra state-sized allocation in the next step. What ``auto`` picks on CPU.
 * ``host``   - device-to-host copy of this process's pieces straight into host buffers that
   were allocated (and their pages touched) once, when the checkpointer first saw the state
-  layout. On CPU this is one memcpy per piece and is what ``auto`` picks.
+  layout. On CPU this is one memcpy per piece.
 * ``pinned`` - `jax.device_put` of the whole state into ``pinned_host`` memory (the transfer
   Orbax itself uses); XLA keeps freed pinned memory in its host allocator pool, which is
   filled once at start-up (`prepare`) so that no save pays the slow pinned allocation.
 * ``device`` - an on-device copy (`device_put(..., may_alias=False)`); the device-to-host copy
   into the reused host buffers happens in the background. Needs free device memory for one
   copy of this process's shards.
-* ``auto``   - CPU: ``host``; otherwise ``device`` when `memory_stats()` shows room for one
+* ``auto``   - CPU: ``alias``; otherwise ``device`` when `memory_stats()` shows room for one
   more copy (with 25% headroom), else ``pinned`` where the backend has pinned host memory,
   else ``host``.
 
-Invariants: a `Snapshot` never aliases a buffer of the live state (a donating train step
-right after `take` cannot change it); at most one `Snapshot` is alive at a time, and `take`
+Invariants: a `Snapshot` never shares a buffer that the live state can overwrite (a
+donating train step right after `take` cannot change it; ``alias`` shares buffers that its
+views pin, which donation then cannot reuse); at most one `Snapshot` is alive at a time, and `take`
 waits (counted as ``waited_s``) until every consumer of the previous one released it; the
 host buffers are allocated once per layout and never reallocated (`allocations` counts them).
 """
@@ -45,7 +51,7 @@ from spmd.checkpoint.layout import (
 
 log = logging.getLogger("spmd.checkpoint")
 
-MODES = ("auto", "host", "pinned", "device")
+MODES = ("auto", "alias", "host", "pinned", "device")
 HEADROOM = 1.25      # device mode needs this many times the snapshot's bytes free per device
 
 
@@ -91,10 +97,12 @@ def resolve_mode(requested: str, leaves: Sequence[Any]) -> tuple[str, str]:
     pinned_ok = all(has_pinned_host(d) for d in devices)
     if requested == "pinned" and not pinned_ok:
         return "host", f"the {platform} backend has no pinned_host memory"
+    if requested == "alias" and platform != "cpu":
+        return "host", f"alias needs the CPU backend (zero-copy host views), not {platform}"
     if requested != "auto":
         return requested, "checkpoint.snapshot"
     if platform == "cpu":
-        return "host", "CPU: device-to-host is a memcpy"
+        return "alias", "CPU: zero-copy views of the state, as Orbax's async save"
     free = {d: free_device_bytes(d) for d in devices}
     if all(f is not None and f >= HEADROOM * per_device[d] for d, f in free.items()):
         low = min(free[d] - per_device[d] for d in devices)  # type: ignore[operator]
@@ -144,6 +152,7 @@ class Snapshot:
         self._left = consumers
         self._lock = threading.Lock()
         self._host_ready = mode == "host"
+        self.views: dict[PieceId, np.ndarray] = {}   # alias mode: read-only shard views
 
     def pieces(self, pids: Sequence[PieceId]) -> list[np.ndarray]:
         """Host arrays of `pids` (this process's pieces), filling the reused buffers if needed.
@@ -154,6 +163,12 @@ class Snapshot:
         if self.mode == "pinned":
             leaves = jax.tree.leaves(self.tree)
             return [np.asarray(_chosen_shard(leaves[leaf], key)) for leaf, key in pids]
+        if self.mode == "alias":
+            missing = [pid for pid in pids if pid not in self.views]
+            if missing:
+                raise RuntimeError(f"rank {self.owner.rank}: no snapshot view for "
+                                   f"{len(missing)} piece(s), e.g. leaf {missing[0][0]}")
+            return [self.views[pid] for pid in pids]
         with self._lock:
             if not self._host_ready:
                 self.owner.fill(jax.tree.leaves(self.tree), self.owner.local_pids)
@@ -162,10 +177,11 @@ class Snapshot:
 
     def arrays(self) -> Any:
         """The state as global jax.Arrays for Orbax (their own copy in ``host`` mode)."""
-        if self.mode != "host":
+        if self.mode not in ("host", "alias"):
             return self.tree
-        layout, bufs = self.owner.layout, self.owner.buffers.arrays
+        layout = self.owner.layout
         assert layout is not None
+        bufs = self.views if self.mode == "alias" else self.owner.buffers.arrays
         out = []
         for i, x in enumerate(self.owner.abstract_leaves):
             shape = tuple(x.shape)
@@ -188,6 +204,7 @@ class Snapshot:
 
     def _finish(self) -> None:
         self.tree = None  # device copies / pinned arrays go back to XLA's pools
+        self.views = {}   # alias: the old state buffers are freed with their last view
         self.owner._released(self)
 
 
@@ -204,6 +221,7 @@ class Snapshotter:
         self.treedef: Any = None
         self.prepare_s = 0.0
         self.local_pids: list[PieceId] = []
+        self.alias_pids: list[PieceId] = []
         self._live: Snapshot | None = None
         self._free = threading.Condition()
 
@@ -219,10 +237,11 @@ class Snapshotter:
         self.mode, self.why = resolve_mode(self.requested, leaves)
         # host mode: the persistent tier builds its arrays from every distinct local index;
         # the other modes fill only the pieces the local tier writes.
-        pids = (layout.needs(self.rank) if self.mode == "host" and persistent
+        pids = (layout.needs(self.rank) if self.mode in ("host", "alias") and persistent
                 else [(p.leaf, p.key) for p in layout.writes(self.rank)] if local else [])
-        if self.mode == "pinned":
-            pids = []  # the local tier reads the pinned arrays themselves
+        self.alias_pids = pids if self.mode == "alias" else []
+        if self.mode in ("pinned", "alias"):
+            pids = []  # the tiers read the pinned arrays or the views themselves
         self.local_pids = [(p.leaf, p.key) for p in layout.writes(self.rank)] if local else []
         self.buffers = HostBuffers(layout, pids)
         if self.mode == "pinned":
@@ -278,7 +297,14 @@ class Snapshotter:
                     f"{self.timeout_s:.0f} s (checkpoint.timeout_s)")
         t1 = time.perf_counter()
         leaves = jax.tree.leaves(state)
-        if self.mode == "host":
+        views: dict[PieceId, np.ndarray] = {}
+        if self.mode == "alias":
+            assert self.layout is not None
+            for leaf, key in self.alias_pids:
+                view = np.asarray(_chosen_shard(leaves[leaf], key))
+                views[(leaf, key)] = view.reshape(self.layout.piece((leaf, key)).shape)
+            tree = None
+        elif self.mode == "host":
             assert self.buffers is not None
             self.fill(leaves, self.buffers.pids)
             tree = None
@@ -293,6 +319,7 @@ class Snapshotter:
             tree = jax.tree.unflatten(jax.tree.structure(state), out)
         blocking = time.perf_counter() - t1
         snap = Snapshot(step, self.mode, self, tree, consumers)
+        snap.views = views
         with self._free:
             self._live = snap
         if consumers == 0:
