@@ -75,6 +75,8 @@ class Trainer:
                                      cfg.launch.barrier_timeout_s)
             run_dir.mkdir(parents=True, exist_ok=True)
             setup_logging(run_dir, env.rank, debug)
+            if cfg.run.compilation_cache is not None:
+                use_compilation_cache(cfg.run.compilation_cache)
             if env.rank == 0:
                 (run_dir / "config.yaml").write_text(cfg.to_yaml())
             events = EventLog(run_dir / "events.jsonl", env.rank)
@@ -180,3 +182,10 @@ class Trainer:
             hooks.append(Hook(PlotsHook(run_dir, events), max(cfg.train.steps, 1), "plots"))
         return hooks
 
+
+def use_compilation_cache(path: Path) -> None:
+    """Point JAX's persistent compilation cache at `path` (run.compilation_cache)."""
+    path = Path(path).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    log.info("compilation cache %s", path)

@@ -43,3 +43,20 @@ def test_mlp_trains(run_dir):
     assert r.returncode == 0, r.stderr
     losses = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert len(losses) == 30 and losses[-1] < 0.7 * losses[0]
+
+
+def test_compilation_cache_is_filled_and_reused_by_a_resumed_run(run_dir, tmp_path):
+    cache = tmp_path / "xla-cache"
+    common = [str(REPO / "configs" / "mlp_tiny.yaml"), f"run.dir={run_dir}",
+              f"run.compilation_cache={cache}", "run.plots=false", "checkpoint.every=2"]
+    env = clean_env(JAX_NUM_CPU_DEVICES="8")
+    r = run_spmd("train", *common, "train.steps=4", env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"compilation cache {cache}" in r.stderr
+    entries = {p.name for p in cache.iterdir()}
+    assert any(name.startswith("jit_train_step") for name in entries), entries
+    r = run_spmd("train", *common, "train.steps=8", env=env)   # resumes at step 4
+    assert r.returncode == 0, r.stderr
+    assert {p.name for p in cache.iterdir()} >= entries
+    events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert "restored" in events and events[-1] == "finished"
