@@ -1,28 +1,37 @@
-"""Pipeline bubble on 8 CPU devices: step time for M = 1, 2, 4, 8 microbatches vs the model,
-and the compiled temporary bytes (peak activations) of GPipe vs 1F1B.
+"""Pipeline bubble on 8 CPU devices: step time for M = 1, 2, 4, 8 microbatches against the
+bubble model, and the compiled temporary bytes (peak activations) of GPipe vs 1F1B.
 
-    python benchmarks/pipeline_bubble.py             # stage=4 x data=2, 8 layers, M = 1 2 4 8
-    python benchmarks/pipeline_bubble.py --short     # CI: M = 1 2, 2 timed steps
+    python benchmarks/pipeline_bubble.py           # stage=4 x data=2, 8 layers, M = 1 2 4 8
+    python benchmarks/pipeline_bubble.py --short   # CI: M = 1 2, one round
 
-The model. Stages run in lockstep ticks; a GPipe forward (or backward) is M + S - 1 ticks,
-each costing the work of one microbatch (B / M rows) on one stage, so the step time is
-t(M) = a (M + S - 1) / M + c, with c the work outside the stack (embedding, loss, optimizer).
-With c small, t(M) / t(1) = (M + S - 1) / (M S), and the bubble fraction measured from the
-times is 1 - (t_ideal / t(M)) with t_ideal = t(1) / S (all S stages busy all the time).
-In this implementation the bubble ticks are not idle: every stage computes every tick (on
-zeros or stale slots whose results are discarded), so on CPU, where the 8 devices share
-the cores, the bubble shows as wasted compute rather than waiting; the same formula holds.
+Method. The microbatch size is fixed (`--microbatch` rows; train.batch_size = M x rows) and
+M varies, so every tick costs the same and a step costs t(M) = tau (M + k): M microbatches
+of work plus k microbatches' worth of bubble (`sharding/pipeline.bubble_ticks`). Every
+stage computes every tick (lockstep SPMD; bubble slots compute on zeros), so on CPU, where
+the 8 devices share the cores, the bubble is wasted compute and shows in the wall time.
+- gpipe: k = S - 1, the textbook bubble (S - 1) / (M + S - 1);
+- 1f1b: k = ((S - 1) + (2S - 2)(2 + b)) / (3 + b), b = a stage's backward / forward FLOPs,
+  read here from XLA's cost analysis of the unrolled model (the primal forward runs before
+  the 1F1B ticks because the loss is outside the stack, and its backward recomputes).
+A least-squares line through the measured t(M) gives tau (slope) and k_measured =
+intercept / slope; the measured bubble at M is 1 - M tau / t(M), the model's k / (M + k).
+Work outside the stack (embedding, loss, optimizer) is small at these sizes and is counted
+as useful (slope) or bubble (intercept) as it falls.
 
-Memory: `temp_size_in_bytes` of the compiled step (activations, gradients, scratch) for
-GPipe (autodiff keeps every tick's residuals) and 1F1B (a ring of <= 2S - 1 stage inputs,
-layers recomputed in the backward), per M.
+Timing: every case is compiled first; then `--rounds` rounds run every case `--steps`
+times in turn (alternating the order), so load that drifts during the run touches every
+case alike. A case's time is the median of its steps; its noise the IQR / median.
+
+Memory: `temp_size_in_bytes` of each compiled step. At a fixed microbatch size GPipe's
+grows with M by every tick's residuals (autodiff keeps them all); 1F1B's grows only by the
+batch-sized buffers every step has and its ring of min(M, 2S - 1) stage inputs per stage
+(layers recomputed in the backward), so it stops growing per tick once M >= 2S - 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,9 +40,78 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from common import json_line, machine, table  # noqa: E402
+from common import Stats, json_line, machine, table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "transformer_tiny.yaml"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _flops(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return float(analysis["flops"])
+
+
+def backward_cost(overrides: list[str]) -> float:
+    """b: FLOPs of the layer stack's backward over its forward (unrolled, one device)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from spmd.config import load_config
+
+    cfg = load_config(CONFIG, [*overrides, "model.scan_layers=false", "mesh.strategy=dp"])
+    model = cfg.build_task().build_model(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((8, cfg.model.seq_len), jnp.int32)
+
+    def forward(state):
+        return nnx.merge(graphdef, state).features(tokens)
+
+    def gradient(state):
+        return jax.grad(lambda s: forward(s).astype(jnp.float32).sum())(state)
+
+    fwd = _flops(jax.jit(forward).lower(state).compile())
+    grad = _flops(jax.jit(gradient).lower(state).compile())
+    return (grad - fwd) / fwd
+
+
+def compile_case(base: list[str], m: int, rows: int, schedule: str):
+    import jax
+
+    from spmd.config import load_config
+    from spmd.mesh import build_mesh
+    from spmd.runtime import build_runtime
+
+    cfg = load_config(CONFIG, [*base, f"train.microbatches={m}",
+                               f"train.batch_size={m * rows}",
+                               f"train.pipeline_schedule={schedule}"])
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    compiled, _ = rt.compile_train_step()
+    state = rt.init()
+    batch = rt.feed.global_batch(rt.task.train_source(), 0)
+    jax.block_until_ready(compiled(state, batch))        # warm-up
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+
+    def step() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(state, batch))
+        return time.perf_counter() - start
+
+    return step, temp
+
+
+def fit_line(ms: list[int], ts: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of t against M."""
+    n = len(ms)
+    mx, my = sum(ms) / n, sum(ts) / n
+    sxx = sum((x - mx) ** 2 for x in ms)
+    slope = sum((x - mx) * (y - my) for x, y in zip(ms, ts)) / sxx
+    return slope, my - slope * mx
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a (slope <= 0: noise)" if x is None else f"{x:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,67 +120,70 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--microbatch", type=int, default=8,
+                   help="rows per microbatch (over all data-parallel ways)")
     p.add_argument("--microbatches", default="1,2,4,8")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per case (after 1 warm-up)")
-    p.add_argument("--short", action="store_true", help="CI mode: M = 1, 2; 2 timed steps")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per case per round")
+    p.add_argument("--short", action="store_true", help="CI mode: M = 1, 2; one round")
     args = p.parse_args(argv)
     if args.short:
-        args.microbatches, args.steps, args.layers, args.d_model = "1,2", 2, 4, 64
+        args.microbatches, args.rounds, args.steps = "1,2", 1, 2
+        args.layers, args.d_model, args.seq = 4, 32, 16
 
     import jax
 
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.runtime import build_runtime
-    from spmd.sharding.pipeline import bubble_fraction
+    from spmd.sharding.pipeline import bubble_fraction, bubble_ticks
 
     s, d = args.stages, args.d_model
     data = jax.device_count() // s
     base = [f"model.num_layers={args.layers}", f"model.d_model={d}", "model.num_heads=4",
             f"model.d_ff={4 * d}", f"model.seq_len={args.seq}", "model.vocab_size=256",
-            "model.attention=xla", f"train.batch_size={args.batch}", "mesh.strategy=pp",
-            f"mesh.axes.stage={s}", f"mesh.axes.data={data}", "train.donate=false"]
-    results = []
-    for m in (int(x) for x in args.microbatches.split(",")):
-        for schedule in ("gpipe", "1f1b"):
-            cfg = load_config(CONFIG, [*base, f"train.microbatches={m}",
-                                       f"train.pipeline_schedule={schedule}"])
-            rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
-            compiled, _ = rt.compile_train_step()
-            temp = int(compiled.memory_analysis().temp_size_in_bytes)
-            state = rt.init()
-            batch = rt.feed.global_batch(rt.task.train_source(), 0)
-            jax.block_until_ready(compiled(state, batch))       # warm-up
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                jax.block_until_ready(compiled(state, batch))
-                times.append(time.perf_counter() - start)
-            results.append({"microbatches": m, "schedule": schedule, "temp_bytes": temp,
-                            "step_s": statistics.median(times), "step_s_all": times,
-                            "bubble_model": bubble_fraction(s, m)})
-            print({k: v for k, v in results[-1].items() if k != "step_s_all"}, flush=True)
-    for schedule in ("gpipe", "1f1b"):
-        rows = [r for r in results if r["schedule"] == schedule]
-        t1 = next((r["step_s"] for r in rows if r["microbatches"] == 1), None)
-        for r in rows:
-            if t1:
-                r["time_ratio_measured"] = r["step_s"] / t1
-                r["time_ratio_model"] = (r["microbatches"] + s - 1) / (r["microbatches"] * s)
-                r["bubble_measured"] = 1 - (t1 / s) / r["step_s"]
-            spread = (max(r["step_s_all"]) - min(r["step_s_all"])) / r["step_s"]
-            r["spread"] = spread
-    head = ("schedule", "M", "step ms (median)", "spread", "t(M)/t(1)", "model", "bubble meas.",
-            "bubble model", "temp bytes")
+            "model.attention=xla", "mesh.strategy=pp", f"mesh.axes.stage={s}",
+            f"mesh.axes.data={data}", "train.donate=false"]
+    b = backward_cost(base)
+    ms = [int(x) for x in args.microbatches.split(",")]
+    cases = {(sched, m): compile_case(base, m, args.microbatch, sched)
+             for m in ms for sched in SCHEDULES}
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in cases}
+    order = list(cases)
+    for r in range(args.rounds):
+        for key in (order if r % 2 == 0 else order[::-1]):
+            times[key] += [cases[key][0]() for _ in range(args.steps)]
+
+    results, fits = [], {}
+    for sched in SCHEDULES:
+        stats = {m: Stats.of(times[(sched, m)]) for m in ms}
+        slope, intercept = fit_line(ms, [stats[m].median for m in ms])
+        k_model = bubble_ticks(sched, s, b)
+        ok = slope > 0       # else the timing noise is larger than the M dependence
+        fits[sched] = {"tau_s": slope, "intercept_s": intercept,
+                       "k_measured": intercept / slope if ok else None, "k_model": k_model}
+        for m in ms:
+            t = stats[m].median
+            results.append({
+                "schedule": sched, "microbatches": m, "batch_size": m * args.microbatch,
+                "step_s": t, "noise": stats[m].iqr / t, "steps": stats[m].n,
+                "bubble_measured": 1 - m * slope / t if ok else None,
+                "bubble_model": k_model / (m + k_model),
+                "bubble_textbook": bubble_fraction(s, m), "temp_bytes": cases[(sched, m)][1]})
+
+    head = ("schedule", "M", "step ms (median)", "noise (IQR/med)", "bubble measured",
+            "bubble model", "textbook (S-1)/(M+S-1)", "temp bytes")
     rows = [head] + [(r["schedule"], str(r["microbatches"]), f"{1e3 * r['step_s']:.1f}",
-                      f"{r['spread']:.0%}", f"{r.get('time_ratio_measured', 0):.3f}",
-                      f"{r.get('time_ratio_model', 0):.3f}", f"{r.get('bubble_measured', 0):.3f}",
-                      f"{r['bubble_model']:.3f}", f"{r['temp_bytes']:,}") for r in results]
+                      f"{r['noise']:.1%}", _fmt(r["bubble_measured"]),
+                      f"{r['bubble_model']:.3f}", f"{r['bubble_textbook']:.3f}",
+                      f"{r['temp_bytes']:,}") for r in results]
     print(table(rows))
+    for sched, f in fits.items():
+        print(f"{sched}: t(M) = {1e3 * f['tau_s']:.1f} ms x (M + {_fmt(f['k_measured'])}); "
+              f"model k = {f['k_model']:.2f}")
+    print(f"b (stage backward / forward FLOPs, XLA) = {b:.3f}")
     print(json_line({"benchmark": "pipeline_bubble", "mode": "short" if args.short else "full",
                      "stages": s, "data": data, "layers": args.layers, "d_model": d,
-                     "seq_len": args.seq, "batch_size": args.batch, "results": results,
+                     "seq_len": args.seq, "microbatch_rows": args.microbatch,
+                     "rounds": args.rounds, "steps_per_round": args.steps,
+                     "backward_cost": b, "fits": fits, "results": results,
                      "backend": jax.default_backend(), "machine": machine()}))
     return 0
 

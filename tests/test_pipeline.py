@@ -18,7 +18,7 @@ from conftest import REPO, clean_env, run_spmd, train_steps
 from spmd.config import load_config
 from spmd.mesh import build_mesh
 from spmd.runtime import build_runtime
-from spmd.sharding.pipeline import bubble_fraction
+from spmd.sharding.pipeline import bubble_fraction, bubble_ticks, lockstep_bubble_fraction
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 4
@@ -152,3 +152,16 @@ def test_bubble_formula():
     assert bubble_fraction(4, 1) == pytest.approx(3 / 4)
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+
+
+def test_lockstep_bubble_model():
+    # GPipe: k = S - 1, so the lockstep fraction is the textbook one at every M.
+    for m in (1, 2, 4, 8):
+        assert lockstep_bubble_fraction("gpipe", 4, m) == pytest.approx(bubble_fraction(4, m))
+    # 1F1B here: primal forward (S - 1 bubble ticks of cost 1) + 2S - 2 bubble ticks of a
+    # forward and a recomputing backward (2 + b), per microbatch 3 + b.
+    assert bubble_ticks("1f1b", 4, backward_cost=2.0) == pytest.approx((3 + 6 * 4) / 5)
+    assert bubble_ticks("1f1b", 1) == 0.0
+    assert lockstep_bubble_fraction("1f1b", 4, 8) > bubble_fraction(4, 8)
+    with pytest.raises(ValueError, match="interleaved"):
+        bubble_ticks("interleaved", 4)

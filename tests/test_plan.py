@@ -13,6 +13,7 @@ from spmd.mesh import build_mesh
 from spmd.plan import collectives_from_hlo, make_plan
 from spmd.plan_devices import gpu_target_config
 from spmd.runtime import build_runtime
+from spmd.sharding.pipeline import lockstep_bubble_fraction
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 
@@ -77,6 +78,25 @@ def test_plan_in_process_fsdp_tp_reports_everything():
     assert len(stacks) == 8 and all(p["shape"][0] == 2 for p in stacks.values())
     assert "8 parameters stacked along 'layers' (2 layers)" in scanned.as_text()
     assert scanned.as_json()["layer_stacks"] == scanned.layer_stacks
+
+
+def test_plan_under_pp_reports_stages_bubble_and_stage_transfers():
+    cfg = load_config(CONFIG, ["mesh.strategy=pp", "mesh.axes.stage=4", "mesh.axes.data=2",
+                               "model.num_layers=4", "train.microbatches=2",
+                               "train.pipeline_schedule=1f1b"])
+    plan = make_plan(cfg, plan_mesh(cfg))
+    p = plan.pipeline
+    assert (p["stages"], p["microbatches"], p["schedule"]) == (4, 2, "1f1b")
+    assert p["layers_per_stage"] == 1
+    assert p["bubble_fraction"] == pytest.approx(3 / 5)                  # (S - 1) / (M + S - 1)
+    assert p["lockstep_bubble_fraction"] == pytest.approx(lockstep_bubble_fraction("1f1b", 4, 2))
+    # the stacked blocks are split over the 4 stages: a quarter of them per device
+    assert p["stacked_bytes_unstaged_per_device"] == 4 * p["stacked_bytes_per_device"] > 0
+    assert p["stage_transfers"] > 0 and p["stage_transfer_bytes"] > 0    # collective-permutes
+    text = plan.as_text()
+    assert "pipeline: 4 stages over stage, 1 layers per stage, 2 microbatches" in text
+    assert "bubble fraction (S - 1) / (M + S - 1) = 0.600" in text
+    assert plan.as_json()["pipeline"]["stage_transfers"] == p["stage_transfers"]
 
 
 @pytest.mark.parametrize("devices,overrides", [
