@@ -331,7 +331,9 @@ def run(args: argparse.Namespace, base: Path) -> int:
               f"{train['ratio']:.3f} (target >= {TRAIN_TARGET} when every x step "
               f"{train['every'] * train['step_s_off']:.3f} s >= background write "
               f"{train['write_s']:.3f} s: {'yes' if train['write_fits'] else 'no'}); "
-              f"blocked fraction {train['blocked_fraction']:.4f}")
+              f"blocked fraction {train['blocked_fraction']:.4f} (blocking "
+              f"{train['blocking_s']:.3f} s + waiting {train['waited_s']:.3f} s of "
+              f"{train['wall_s']:.1f} s since the checkpointer started)")
     print(json_line(record))
     return 1 if verdict == "FAIL" else 0
 
@@ -426,7 +428,8 @@ def train_throughput(args: argparse.Namespace, base: Path, synthetic) -> dict:
             "step_s_off": round(off / n, 5), "step_s_on": round(on / n, 5),
             "ratio": round(off / on, 4), "write_s": round(write_s, 4),
             "write_fits": every * off / n >= write_s, "saves": len(saved),
-            "blocked_fraction": summary["blocked_fraction"]}
+            "blocked_fraction": summary["blocked_fraction"], "wall_s": summary["wall_s"],
+            "blocking_s": summary["blocking_s"], "waited_s": summary["waited_s"]}
 
 
 if __name__ == "__main__":

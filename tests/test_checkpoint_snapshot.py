@@ -111,7 +111,7 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
         ("local", 1), ("local", 2), ("local", 3), ("local", 4), ("persistent", 2),
         ("persistent", 4)]
     assert all(r["shared"] == (r["step"] % 2 == 0) and r["snapshot"] == mode for r in saved)
-    assert all(r["blocking_s"] >= 0 and r["waited_s"] >= 0 for r in saved)
+    assert all(r["blocking_s"] >= 0 and r["waited_s"] >= 0 and r["ready_s"] >= 0 for r in saved)
     ck.close()
     (summary,) = events.of("checkpoint_summary")
     assert summary["saves"] == {"local": 4, "persistent": 2} and summary["snapshots"] == 4

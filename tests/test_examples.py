@@ -1,7 +1,8 @@
 """The user examples in examples/ run as a user runs them: `spmd run -n 2 CONFIG` from the
-repository root, 2 ranks x 1 and 2 ranks x 4 CPU devices. Each learns (its test relative L2
-error at least halves from the step-0 evaluation to the last), plots its sample fields,
-and resumes from its last checkpoint; `spmd shardings` and `spmd plan` accept both.
+repository root, 2 ranks x 4 (unet3d, dp and spatial) and 2 ranks x 1 (vit2d) CPU devices.
+Each learns (its test relative L2 error at least halves from the step-0 evaluation to the
+last), plots its sample fields, and resumes from its last checkpoint; `spmd shardings`
+and `spmd plan` accept both.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ def trained(data_dir, tmp_path_factory):
     return get
 
 
-CASES = [("unet3d", 1, ()), ("unet3d", 4, ()), ("vit2d", 1, ()), ("vit2d", 4, ()),
+# Both device counts and both examples, without every product (each case is two runs).
+CASES = [("unet3d", 4, ()), ("vit2d", 1, ()),
          ("unet3d", 4, ("mesh.strategy=spatial", "mesh.axes.context=4", "mesh.axes.tensor=2"))]
-IDS = ["unet3d-2x1", "unet3d-2x4", "vit2d-2x1", "vit2d-2x4", "unet3d-spatial-2x4"]
+IDS = ["unet3d-2x4", "vit2d-2x1", "unet3d-spatial-2x4"]
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from spmd.checkpoint.api import CheckpointError, Restored
 from spmd.checkpoint.coord import CheckpointTimeout, Coordinator
 from spmd.checkpoint.layout import SaveLayout
@@ -197,6 +199,11 @@ class HierarchicalCheckpointer:
                           and self._last["persistent"] != step)
         if not (local_due or persistent_due):
             return
+        # The step that produced `state` may still be running (async dispatch): its compute
+        # is not checkpoint cost, so it is waited for first and reported apart (`ready_s`).
+        t_ready = time.perf_counter()
+        jax.block_until_ready(state)
+        ready = time.perf_counter() - t_ready
         t0 = time.perf_counter()
         if local_due:        # one save per tier in flight at a time
             self._workers["local"].wait(self.timeout_s, self.rank)
@@ -217,6 +224,7 @@ class HierarchicalCheckpointer:
         self.totals["waited_s"] += waited
         self.totals["snapshots"] += 1
         timing = {"blocking_s": round(blocking, 4), "waited_s": round(waited, 4),
+                  "ready_s": round(ready, 4),
                   "snapshot": snap.mode, "shared": local_due and persistent_due}
         if local_due:
             self.totals["saves"]["local"] += 1
