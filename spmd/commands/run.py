@@ -95,7 +95,12 @@ def child_env(ppn: int) -> dict[str, str]:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when this process dies (Linux prctl)."""
+    """In the child, before exec: SIGKILL it when this process dies (Linux prctl).
+
+    Also ignore SIGPIPE there: with one Hydra proxy per stand-in node, mpiexec can write to
+    a proxy's socket that has just closed at teardown; it should see EPIPE, not die (141).
+    """
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     try:
         import ctypes
 
