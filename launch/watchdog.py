@@ -16,9 +16,10 @@ variables are not set, so no thread runs.
 Peers: `watch_peers` (bootstrap, under MPI) adds the other ranks on this host, learned by an
 allgather of (host, pid, start time); when one is gone, this rank prints one line naming the
 lost rank and ends the same way. `spmd run` tells Hydra's mpiexec not to kill the survivors
-itself (-disable-auto-cleanup, and one Hydra proxy per stand-in node, since a proxy SIGKILLs
-its other ranks when one dies by a signal) so that they can say which rank they lost. Ranks
-on other hosts are covered by jax.distributed's heartbeat (launch.heartbeat_timeout_s) and
+itself (-disable-auto-cleanup) so that they can say which rank they lost; Hydra's proxy
+still SIGKILLs its other ranks when one dies by a signal, so the watchdog wakes on a pidfd
+(Linux >= 5.3) the moment a peer exits, to name it first. Ranks on other hosts are covered
+by jax.distributed's heartbeat (launch.heartbeat_timeout_s) and
 the scheduler.
 A rank whose Python exits (normally or by an exception) first runs an atexit handler that
 leaves a marker file `rank<R>` in a directory of the temp dir named after rank 0's (host, pid,
@@ -34,6 +35,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import select
 import shutil
 import sys
 import tempfile
@@ -111,9 +113,24 @@ def _end(line: str) -> None:
     os._exit(ORPHANED_EXIT_CODE)
 
 
+_pidfds: dict[int, int] = {}   # pid -> pidfd (Linux >= 5.3): readable the moment it exits
+
+
+def _wait(interval_s: float) -> None:
+    """Sleep up to `interval_s`, waking at once when a watched process exits (pidfd)."""
+    fds = [_pidfds[pid] for pid, *_ in list(_watched.values()) if pid in _pidfds]
+    if not fds:
+        time.sleep(interval_s)
+        return
+    try:
+        select.select(fds, [], [], interval_s)
+    except (OSError, ValueError):
+        time.sleep(interval_s)
+
+
 def _loop(interval_s: float) -> None:
     while True:
-        time.sleep(interval_s)
+        _wait(interval_s)
         for key, (pid, start, line, mark) in list(_watched.items()):
             if not process_alive(pid, start):
                 if mark is not None and mark.exists():  # it exited cleanly
@@ -127,6 +144,11 @@ def _watch(key: str, pid: int, start: int | None, line: str, interval_s: float,
     if not process_alive(pid, start) and not (mark is not None and mark.exists()):
         _end(line)
     _watched[key] = (pid, start, line, mark)
+    if hasattr(os, "pidfd_open") and pid not in _pidfds:
+        try:
+            _pidfds[pid] = os.pidfd_open(pid)
+        except OSError:
+            pass  # older kernel: polling alone
     if "thread" not in _watching:
         thread = threading.Thread(target=_loop, args=(interval_s,), daemon=True,
                                   name="spmd-watchdog")

@@ -64,7 +64,7 @@ def find_mpiexec() -> Path:
 
 
 def flavor_args(mpiexec: Path, n: int = 1, ppn: int = 1) -> list[str]:
-    """Options that keep a local job of `n` ranks, `ppn` per node, on this machine."""
+    """Options that keep a local job (of `n` ranks, `ppn` per node) on this machine."""
     try:
         out = subprocess.run([str(mpiexec), "--version"], capture_output=True, text=True,
                              timeout=20)
@@ -73,13 +73,9 @@ def flavor_args(mpiexec: Path, n: int = 1, ppn: int = 1) -> list[str]:
         raise SpmdError(f"{mpiexec} --version failed ({e}); is this MPI installed correctly?"
                         ) from None
     if "HYDRA" in version:  # MPICH / Intel MPI: fork locally, never via srun or ssh
-        # The ranks' watchdogs end the survivors of a lost rank themselves, naming it. Hydra's
-        # proxy SIGKILLs its other ranks when one dies by a signal (whatever
-        # -disable-auto-cleanup says), so each stand-in node gets a proxy of its own: one
-        # host name per node (the fork launcher starts them all here).
-        nodes = max(1, -(-n // max(1, ppn)))
-        hosts = ",".join(f"spmd-node{i}" for i in range(nodes))
-        return ["-launcher", "fork", "-disable-auto-cleanup", "-ppn", str(ppn), "-hosts", hosts]
+        # The ranks' watchdogs end the survivors of a lost rank themselves, naming it (they
+        # race Hydra's proxy, which SIGKILLs its other ranks when one dies by a signal).
+        return ["-launcher", "fork", "-disable-auto-cleanup"]
     if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
         return ["--oversubscribe", "--bind-to", "none"]
     return []
@@ -95,12 +91,7 @@ def child_env(ppn: int) -> dict[str, str]:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when this process dies (Linux prctl).
-
-    Also ignore SIGPIPE there: with one Hydra proxy per stand-in node, mpiexec can write to
-    a proxy's socket that has just closed at teardown; it should see EPIPE, not die (141).
-    """
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    """In the child, before exec: SIGKILL it when this process dies (Linux prctl)."""
     try:
         import ctypes
 
