@@ -29,8 +29,7 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
 
 
 def _mpi(n: int) -> list[str]:
-    """mpiexec with `spmd run`'s options; run it with restore_signals=False (SIGPIPE ignored,
-    as `spmd run` does: Hydra may write to a proxy that just closed)."""
+    """mpiexec with `spmd run`'s options."""
     from spmd.commands.run import find_mpiexec, flavor_args
 
     mpiexec = find_mpiexec()
@@ -56,7 +55,7 @@ def dump(n: int, run_dir: Path, out: Path, *overrides: str, devices: int = 4,
     cmd = [*(_mpi(n) if n > 1 else []), sys.executable, str(Path(__file__).resolve()),
            str(CONFIG), str(out), f"run.dir={run_dir}", *BASE, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(devices),
-                          timeout=timeout, cwd=REPO, restore_signals=False)
+                          timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     import numpy as np
 

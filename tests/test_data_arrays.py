@@ -135,7 +135,6 @@ def test_feed_reads_only_each_process_slab_under_spatial(tmp_path):
     r = subprocess.run([str(mpiexec), "-n", "2", *flavor_args(mpiexec, 2), sys.executable,
                         str(REPO / "tests" / "feed_worker.py"), str(data), str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=REPO,
-                       restore_signals=False,  # as `spmd run` starts mpiexec: SIGPIPE ignored
                        env=clean_env(JAX_NUM_CPU_DEVICES="4", SPMD_PROCESSES_PER_NODE="1",
                                      PYTHONPATH=str(REPO)))
     assert r.returncode == 0, r.stdout + r.stderr

@@ -75,7 +75,7 @@ def test_second_run_on_a_leased_dir_is_refused_and_the_first_finishes_intact(ref
 
         direct = subprocess.run([*_mpi(2), *train_cmd(1, run_dir, *CKPT)],
                                 capture_output=True, text=True, env=_env(4), timeout=120,
-                                cwd=REPO, restore_signals=False)
+                                cwd=REPO)
         assert direct.returncode == 2, direct.stdout[-2000:] + direct.stderr[-3000:]
         assert direct.stderr.count("is in use by another run") == 1, direct.stderr
         assert first.wait(timeout=240) == 0, (tmp_path / "first.log").read_text()[-6000:]

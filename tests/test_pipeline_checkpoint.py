@@ -38,7 +38,7 @@ def _dump(n: int, devices: int, run_dir: Path, out: Path, *overrides: str) -> di
     cmd = [*(_mpi(n) if n > 1 else []), sys.executable, str(WORKER), str(CONFIG), str(out),
            f"run.dir={run_dir}", *BASE, *COMMON, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(devices), timeout=400,
-                          cwd=REPO, restore_signals=False)  # mpiexec: SIGPIPE ignored
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     meta = json.loads(out.with_suffix(".json").read_text())
     with np.load(out) as z:
