@@ -115,11 +115,9 @@ def _from_comm(f: schedulers.Found, v: schedulers.Vars, comm: Any, hostname: str
                                  else "hostname allgather over MPI")
     host_layout = group_by_key(hosts)
     lr, ls = local_position(host_layout, crank)
-    # The physical host decides (device binding), over the launcher's word: Hydra's
-    # MPI_LOCALRANKID counts per proxy, and `spmd run` gives each stand-in node its own.
-    if f.sources.get("local_rank") != "SPMD_LOCAL_RANK":
+    if f.local_rank is None:
         f.local_rank, f.sources["local_rank"] = lr, "position among ranks on this host (MPI)"
-    if f.sources.get("local_size") != "SPMD_LOCAL_SIZE":
+    if f.local_size is None:
         f.local_size, f.sources["local_size"] = ls, "ranks on this host (MPI allgather)"
 
 

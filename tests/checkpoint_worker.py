@@ -33,7 +33,7 @@ def _mpi(n: int) -> list[str]:
     from spmd.commands.run import find_mpiexec, flavor_args
 
     mpiexec = find_mpiexec()
-    return [str(mpiexec), "-n", str(n), *flavor_args(mpiexec, n)]
+    return [str(mpiexec), "-n", str(n), *flavor_args(mpiexec)]
 
 
 def train_cmd(n: int, run_dir: Path, *overrides: str) -> list[str]:

@@ -132,7 +132,7 @@ def test_feed_reads_only_each_process_slab_under_spatial(tmp_path):
     data = write_arrays(tmp_path / "f.h5", {"train/f": rng.standard_normal(
         (12, GRID, GRID)).astype(np.float32)})
     mpiexec = find_mpiexec()
-    r = subprocess.run([str(mpiexec), "-n", "2", *flavor_args(mpiexec, 2), sys.executable,
+    r = subprocess.run([str(mpiexec), "-n", "2", *flavor_args(mpiexec), sys.executable,
                         str(REPO / "tests" / "feed_worker.py"), str(data), str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=REPO,
                        env=clean_env(JAX_NUM_CPU_DEVICES="4", SPMD_PROCESSES_PER_NODE="1",

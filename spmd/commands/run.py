@@ -63,8 +63,8 @@ def find_mpiexec() -> Path:
                     "(the mpich wheel), or load your site's MPI module")
 
 
-def flavor_args(mpiexec: Path, n: int = 1, ppn: int = 1) -> list[str]:
-    """Options that keep a local job (of `n` ranks, `ppn` per node) on this machine."""
+def flavor_args(mpiexec: Path) -> list[str]:
+    """Options that keep a local job on this machine for the MPI at hand."""
     try:
         out = subprocess.run([str(mpiexec), "--version"], capture_output=True, text=True,
                              timeout=20)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         check_lease(args.config, args.overrides)
     rank_cmd = [sys.executable, "-m", "spmd.cli", *(["--debug"] if args.debug else []),
                 args.entry, args.config, *args.overrides]
-    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, args.n, args.ppn), *rank_cmd]
+    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec), *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
     proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True,
