@@ -46,12 +46,6 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "transformer_tiny.yam
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _flops(compiled) -> float:
-    analysis = compiled.cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, list) else analysis
-    return float(analysis["flops"])
-
-
 def backward_cost(overrides: list[str]) -> float:
     """b: FLOPs of the layer stack's backward over its forward (unrolled, one device)."""
     import jax
@@ -59,6 +53,7 @@ def backward_cost(overrides: list[str]) -> float:
     from flax import nnx
 
     from spmd.config import load_config
+    from spmd.plan import compiled_flops
 
     cfg = load_config(CONFIG, [*overrides, "model.scan_layers=false", "mesh.strategy=dp"])
     model = cfg.build_task().build_model(nnx.Rngs(0))
@@ -71,8 +66,10 @@ def backward_cost(overrides: list[str]) -> float:
     def gradient(state):
         return jax.grad(lambda s: forward(s).astype(jnp.float32).sum())(state)
 
-    fwd = _flops(jax.jit(forward).lower(state).compile())
-    grad = _flops(jax.jit(gradient).lower(state).compile())
+    fwd = compiled_flops(jax.jit(forward).lower(state).compile())
+    grad = compiled_flops(jax.jit(gradient).lower(state).compile())
+    if not fwd or grad is None:
+        raise RuntimeError("XLA's cost analysis gave no FLOP count for the model")
     return (grad - fwd) / fwd
 
 

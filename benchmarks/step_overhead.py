@@ -208,14 +208,14 @@ def run_case(name: str, overrides: list[str], num_devices: int, steps: int, reps
              strategy: str) -> dict:
     import jax
 
+    from spmd.plan import compiled_flops
+
     rt, spmd_state, plain, plain_state, batch, cfg = build_pair(overrides, strategy, num_devices)
     # The two compiled programs, side by side (cached: both steps have already run).
     programs = {}
     for key, compiled in (("spmd", rt.train_step.lower(spmd_state, batch).compile()),
                           ("plain", plain.lower(*plain_state, batch).compile())):
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        programs[key] = {"xla_flops": cost.get("flops"),
+        programs[key] = {"xla_flops": compiled_flops(compiled),
                          "hlo_lines": compiled.as_text().count("\n")}
     box = {"spmd": spmd_state, "plain": plain_state}
 

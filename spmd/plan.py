@@ -334,7 +334,8 @@ def target_memory(system: str | None) -> tuple[str, int, float]:
     return profile.name, profile.device_memory_bytes, fraction
 
 
-def _cost(compiled) -> float | None:
+def compiled_flops(compiled) -> float | None:
+    """XLA's FLOP count of a compiled program (None where the backend has none)."""
     try:
         cost = compiled.cost_analysis()
     except Exception:  # noqa: BLE001 - not every backend implements it
@@ -374,7 +375,7 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
         alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
         code_bytes=int(mem.generated_code_size_in_bytes),
-        flops_compiled=_cost(compiled), flops_analytic=analytic,
+        flops_compiled=compiled_flops(compiled), flops_analytic=analytic,
         tokens_per_step=cfg.train.batch_size * rt.task.tokens_per_example(),
         collectives=collectives,
         compile_seconds=seconds, backend=jax.default_backend(),
