@@ -24,8 +24,8 @@ device or pinned snapshot, crc32, files, partner exchange, Orbax, agreement, com
 
 Invariants: a `Snapshot` never shares a buffer that the live state can overwrite (a
 donating train step right after `take` cannot change it; ``alias`` shares buffers that its
-views pin, which donation then cannot reuse); at most one `Snapshot` is alive at a time, and `take`
-waits (counted as ``waited_s``) until every consumer of the previous one released it; the
+views pin, which donation then cannot reuse); at most one `Snapshot` is alive at a time, and
+`take` waits (counted as ``waited_s``) until every consumer of the previous one released it; the
 host buffers are allocated once per layout and never reallocated (`allocations` counts them).
 """
 
@@ -125,6 +125,16 @@ def _chosen_shard(arr: jax.Array, key: Any) -> Any:
     return best.data
 
 
+def _pick(store: dict[PieceId, np.ndarray], pids: Sequence[PieceId], rank: int,
+          what: str) -> list[np.ndarray]:
+    """The arrays of `pids` from `store`; a RuntimeError naming the first one missing."""
+    missing = [pid for pid in pids if pid not in store]
+    if missing:
+        raise RuntimeError(f"rank {rank}: no snapshot {what} for {len(missing)} piece(s), "
+                           f"e.g. leaf {missing[0][0]} index {missing[0][1]}")
+    return [store[pid] for pid in pids]
+
+
 class HostBuffers:
     """One contiguous host array per piece, allocated once and pre-faulted (pages touched)."""
 
@@ -164,11 +174,7 @@ class Snapshot:
             leaves = jax.tree.leaves(self.tree)
             return [np.asarray(_chosen_shard(leaves[leaf], key)) for leaf, key in pids]
         if self.mode == "alias":
-            missing = [pid for pid in pids if pid not in self.views]
-            if missing:
-                raise RuntimeError(f"rank {self.owner.rank}: no snapshot view for "
-                                   f"{len(missing)} piece(s), e.g. leaf {missing[0][0]}")
-            return [self.views[pid] for pid in pids]
+            return _pick(self.views, pids, self.owner.rank, "view")
         with self._lock:
             if not self._host_ready:
                 self.owner.fill(jax.tree.leaves(self.tree), self.owner.local_pids)
@@ -188,9 +194,12 @@ class Snapshot:
             index_map = x.sharding.addressable_devices_indices_map(shape)
             devices = list(index_map)
             hosts = [bufs[(i, index_key(index_map[d], shape))] for d in devices]
-            # own copies (the CPU backend may wrap numpy memory zero-copy): the buffers are
-            # refilled by the next save while Orbax may still be writing these arrays
-            singles = [jax.device_put(np.array(h, copy=True), d) for h, d in zip(hosts, devices)]
+            # host: own copies (the CPU backend may wrap numpy memory zero-copy), since the
+            # buffers are refilled by the next save while Orbax may still be writing these
+            # arrays; alias: the views are read-only and pin their buffers, so no copy
+            if self.mode == "host":
+                hosts = [np.array(h, copy=True) for h in hosts]
+            singles = [jax.device_put(h, d) for h, d in zip(hosts, devices)]
             out.append(jax.make_array_from_single_device_arrays(shape, x.sharding, singles))
         jax.block_until_ready(out)
         return jax.tree.unflatten(self.owner.treedef, out)
@@ -264,11 +273,7 @@ class Snapshotter:
 
     def buffers_for(self, pids: Sequence[PieceId]) -> list[np.ndarray]:
         assert self.buffers is not None
-        missing = [pid for pid in pids if pid not in self.buffers.arrays]
-        if missing:
-            raise RuntimeError(f"rank {self.rank}: no snapshot buffer for {len(missing)} "
-                               f"piece(s), e.g. leaf {missing[0][0]} index {missing[0][1]}")
-        return [self.buffers.arrays[pid] for pid in pids]
+        return _pick(self.buffers.arrays, pids, self.rank, "buffer")
 
     def fill(self, leaves: Sequence[jax.Array], pids: Sequence[PieceId]) -> None:
         """Device-to-host copies of pieces `pids` into their buffers (all started first)."""
