@@ -16,10 +16,10 @@ variables are not set, so no thread runs.
 Peers: `watch_peers` (bootstrap, under MPI) adds the other ranks on this host, learned by an
 allgather of (host, pid, start time); when one is gone, this rank prints one line naming the
 lost rank and ends the same way. `spmd run` tells Hydra's mpiexec not to kill the survivors
-itself (-disable-auto-cleanup) so that they can say which rank they lost; Hydra's proxy
-still SIGKILLs its other ranks when one dies by a signal, so the watchdog wakes on a pidfd
-(Linux >= 5.3) the moment a peer exits, to name it first. Ranks on other hosts are covered
-by jax.distributed's heartbeat (launch.heartbeat_timeout_s) and
+itself (-disable-auto-cleanup) and starts each rank behind a shim (spmd.launch.rank_shim), so
+that Hydra's proxy, which SIGKILLs its other ranks when one dies by a signal, sees an exit
+status instead. The watchdog wakes on a pidfd (Linux >= 5.3) the moment a peer exits. Ranks
+on other hosts are covered by jax.distributed's heartbeat (launch.heartbeat_timeout_s) and
 the scheduler.
 A rank whose Python exits (normally or by an exception) first runs an atexit handler that
 leaves a marker file `rank<R>` in a directory of the temp dir named after rank 0's (host, pid,
@@ -103,13 +103,13 @@ def launcher_from(environ: Mapping[str, str]) -> tuple[int, int | None] | None:
 def _end(line: str) -> None:
     text = (f"{line}; ending this rank with status {ORPHANED_EXIT_CODE} (saves in flight stay "
             "uncommitted; resume from the last committed checkpoint)")
-    print(f"spmd: error: {text}", file=sys.stderr, flush=True)
-    # also into the rank's own log file, if one is open (a FileHandler flushes per record):
-    # the launcher that forwards stderr may already be tearing down and drop the line above
+    # first into the rank's own log file, if one is open (a FileHandler flushes per record):
+    # the launcher that forwards stderr may be tearing down, so the local file goes first
     record = logging.LogRecord("spmd.launch", logging.ERROR, __file__, 0, text, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+    print(f"spmd: error: {text}", file=sys.stderr, flush=True)
     os._exit(ORPHANED_EXIT_CODE)
 
 

@@ -93,8 +93,7 @@ class CheckpointConfig(_Section):
     compress: bool = False                  # zstd in the persistent tier (Orbax's default: on)
     # What a save blocks for: auto | alias (CPU: zero-copy views, as Orbax) | host (D2H into
     # reused host buffers) | pinned (D2H into pinned host memory) | device (on-device copy,
-    # D2H in the background). See
-    # spmd/checkpoint/snapshot.py.
+    # D2H in the background). See spmd/checkpoint/snapshot.py.
     snapshot: Literal["auto", "alias", "host", "pinned", "device"] = "auto"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -80,7 +80,8 @@ def rank_pids(run_dir: Path) -> dict[int, int]:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"train" in cmdline and f"run.dir={run_dir}".encode() in cmdline:
+        if (b"train" in cmdline and f"run.dir={run_dir}".encode() in cmdline
+                and not any(arg.endswith(b"rank_shim.py") for arg in cmdline)):
             for var in environ:
                 if var.startswith(b"PMI_RANK="):
                     pids[int(var.split(b"=")[1])] = int(proc.name)

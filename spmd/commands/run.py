@@ -11,6 +11,11 @@ SPMD_LAUNCHER_START) and every rank's watchdog (spmd.launch.watchdog) ends the r
 about a second once it is gone, even after a SIGKILL; on Linux mpiexec also gets SIGKILL then
 (PR_SET_PDEATHSIG). Before starting anything, a run.dir whose lease a live run holds is
 refused with one line naming the holder (status 2); rank 0 still takes the lease itself.
+
+Each rank runs behind a shim (spmd.launch.rank_shim) that turns a death by signal into exit
+status 128+S, so Hydra's proxy does not SIGKILL the other ranks and they can name the lost one.
+When the ranks fail, the ERROR lines they wrote to run.dir/logs during this job are repeated
+at the end, one per line, after Hydra's own report.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from pathlib import Path
 
 from spmd.errors import SpmdError
+from spmd.launch import rank_shim
 from spmd.launch.watchdog import launcher_environ
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -73,8 +79,7 @@ def flavor_args(mpiexec: Path) -> list[str]:
         raise SpmdError(f"{mpiexec} --version failed ({e}); is this MPI installed correctly?"
                         ) from None
     if "HYDRA" in version:  # MPICH / Intel MPI: fork locally, never via srun or ssh
-        # The ranks' watchdogs end the survivors of a lost rank themselves, naming it (they
-        # race Hydra's proxy, which SIGKILLs its other ranks when one dies by a signal).
+        # the ranks' watchdogs end the survivors of a lost rank themselves, naming it
         return ["-launcher", "fork", "-disable-auto-cleanup"]
     if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
         return ["--oversubscribe", "--bind-to", "none"]
@@ -90,19 +95,8 @@ def child_env(ppn: int) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when this process dies (Linux prctl)."""
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def check_lease(config: str, overrides: list[str]) -> None:
-    """Refuse at once (LeaseHeld, status 2) when a live run holds the config's run.dir."""
+def check_lease(config: str, overrides: list[str]) -> Path:
+    """The config's run.dir; refused at once (LeaseHeld, status 2) when a live run holds it."""
     from spmd.config import load_config
     from spmd.lease import LEASE_NAME, LeaseHeld, inspect_lease, refusal
 
@@ -111,6 +105,26 @@ def check_lease(config: str, overrides: list[str]) -> None:
     if state is not None and not state.stale:
         raise LeaseHeld(refusal(cfg.run.dir / LEASE_NAME, state.holder,
                                 time.time() - state.heartbeat_age_s, cfg.run.lease_stale_s))
+    return Path(cfg.run.dir)
+
+
+def log_sizes(run_dir: Path) -> dict[Path, int]:
+    """Byte size of every rank log now, so that only this job's lines are read later."""
+    return {p: p.stat().st_size for p in (run_dir / "logs").glob("rank*.log")}
+
+
+def error_lines(run_dir: Path, before: dict[Path, int], limit: int = 20) -> list[str]:
+    """The ERROR lines the rank logs gained since `before` (the last `limit` of them)."""
+    found: list[str] = []
+    for path in sorted((run_dir / "logs").glob("rank*.log")):
+        try:
+            with open(path, "rb") as f:
+                f.seek(before.get(path, 0))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        found += [line for line in text.splitlines() if " ERROR " in line]
+    return found[-limit:]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,15 +133,18 @@ def run(args: argparse.Namespace) -> int:
     if args.ppn < 1 or args.n % args.ppn:
         raise SpmdError(f"spmd run: --ppn {args.ppn} does not divide -n {args.n} into equal nodes")
     mpiexec = find_mpiexec()
-    if args.entry == "train":
-        check_lease(args.config, args.overrides)
-    rank_cmd = [sys.executable, "-m", "spmd.cli", *(["--debug"] if args.debug else []),
-                args.entry, args.config, *args.overrides]
+    run_dir = check_lease(args.config, args.overrides) if args.entry == "train" else None
+    before = log_sizes(run_dir) if run_dir is not None else {}
+    # each rank behind a shim: Hydra then sees its exit code, not a death by signal, and
+    # leaves the other ranks alive to name the lost one (see spmd/launch/rank_shim.py)
+    rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
+                *(["--debug"] if args.debug else []), args.entry, args.config, *args.overrides]
     cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec), *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
+    on_linux = sys.platform == "linux"
     proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True,
-                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                            preexec_fn=rank_shim.die_with_parent if on_linux else None)
 
     def forward(signum: int, frame: object) -> None:
         try:
@@ -146,4 +163,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if code != 0 and run_dir is not None and (errors := error_lines(run_dir, before)):
+        print(f"spmd run: the ranks' errors (from {run_dir / 'logs'}):", file=sys.stderr)
+        for line in errors:
+            print(f"  {line}", file=sys.stderr)
+        sys.stderr.flush()
     return code if code >= 0 else 128 - code

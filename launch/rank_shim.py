@@ -1,0 +1,97 @@
+"""One rank's parent under `spmd run`: Hydra sees an exit code, never a death by signal.
+
+`python .../launch/rank_shim.py CMD...` starts CMD (the rank) and exits with its status; a
+rank killed by signal S (SIGKILL, the OOM killer) becomes exit status 128+S. Why: Hydra's
+proxy SIGKILLs every other rank the moment one of its ranks dies by a signal, so the
+survivors could never say which rank was lost. Behind a shim they live on; each one's
+watchdog (spmd.launch.watchdog) names the lost rank, in its log and on stderr, and ends it.
+
+Invariants:
+- The rank never outlives its shim: PR_SET_PDEATHSIG=SIGKILL (Linux), so a proxy that still
+  SIGKILLs its children (it does on any failure of its own) takes the ranks with it.
+- Every signal the proxy sends that a rank acts on is passed on to the rank (Hydra starts
+  each rank in its own session, so this is the only way signals reach it).
+- The rank inherits every file descriptor and the environment; the shim then closes its own
+  copy of Hydra's PMI socket (PMI_FD), whose lifetime must be the rank's.
+- It imports nothing heavy: run by its file path, it loads no jax, numpy or spmd.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2, signal.SIGCONT, signal.SIGTSTP)
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when its parent dies (Linux prctl)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def exit_status(returncode: int) -> int:
+    """Popen's returncode (-S for a death by signal S) as an exit status: 128+S."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python rank_shim.py CMD [ARG...]", file=sys.stderr)
+        return 2
+    # a signal that arrives before the rank exists is held, then passed on (the rank's exec
+    # resets these Python handlers to the default)
+    pending: list[int] = []
+    children: list[subprocess.Popen] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if not children:
+            pending.append(signum)
+            return
+        try:
+            os.kill(children[0].pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for s in FORWARDED:
+        signal.signal(s, forward)
+    try:
+        children.append(subprocess.Popen(
+            argv, close_fds=False,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None))
+    except OSError as e:
+        print(f"spmd rank shim: cannot start {argv[0]}: {e}", file=sys.stderr)
+        return 127
+    child = children[0]
+    # Hydra's PMI socket must close when the rank's copy does (a socket that closes without a
+    # PMI finalize makes the proxy signal the other ranks), so the shim keeps none
+    if (pmi_fd := os.environ.get("PMI_FD", "")).isdigit():
+        try:
+            os.close(int(pmi_fd))
+        except OSError:
+            pass
+    for signum in pending:
+        forward(signum, None)
+    while True:
+        try:
+            returncode = child.wait()
+            break
+        except InterruptedError:
+            continue
+    # the rank is gone: what the proxy still sends (Hydra signals SIGUSR1 as ranks close their
+    # PMI sockets) must not turn the shim's clean exit into a death by signal
+    for s in FORWARDED:
+        signal.signal(s, signal.SIG_IGN)
+    return exit_status(returncode)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

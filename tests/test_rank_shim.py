@@ -1,0 +1,67 @@
+"""The rank shim of `spmd run`: exit statuses instead of deaths by signal, signals passed on."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spmd.launch import rank_shim
+
+SHIM = Path(rank_shim.__file__)
+
+
+def shim(*code: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SHIM), sys.executable, "-c", "\n".join(code)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_exit_status_of_a_death_by_signal_is_128_plus_the_signal():
+    assert rank_shim.exit_status(-9) == 137 and rank_shim.exit_status(3) == 3
+
+
+def test_a_rank_killed_by_sigkill_makes_the_shim_exit_137_not_die_by_a_signal():
+    proc = shim("import os, signal", "os.kill(os.getpid(), signal.SIGKILL)")
+    assert proc.wait(timeout=60) == 137  # a status: Hydra's proxy kills no other rank for it
+
+
+def test_the_rank_exit_code_passes_through():
+    assert shim("import sys", "sys.exit(75)").wait(timeout=60) == 75
+
+
+def test_signals_reach_the_rank_and_a_late_one_is_ignored():
+    proc = shim("import signal, sys, time",
+                "signal.signal(signal.SIGUSR1, lambda *a: (print('usr1', flush=True), "
+                "sys.exit(75)))",
+                "print('ready', flush=True)",
+                "time.sleep(60)")
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGUSR1)  # to the shim, as Hydra's proxy sends it
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+    assert out.strip() == "usr1"
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] in ("Z", "X")  # a zombie
+    except OSError:
+        return True
+
+
+def test_the_rank_dies_with_its_shim():
+    proc = shim("import os, time", "print(os.getpid(), flush=True)", "time.sleep(60)")
+    rank = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while not gone(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(rank), f"rank pid {rank} outlived its shim"
+
+
+def test_without_a_command_it_says_how_to_call_it():
+    out = subprocess.run([sys.executable, str(SHIM)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "usage" in out.stderr
