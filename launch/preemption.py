@@ -9,10 +9,16 @@ time out (LaunchError) instead of hanging when a rank is gone.
 
 The trainer saves and exits with PREEMPTED_EXIT_CODE = 75 (EX_TEMPFAIL from sysexits.h);
 job scripts turn that status into a requeue.
+
+Once the interpreter exits, the watched signals are ignored (an atexit handler that runs
+before MPI_Finalize's): Hydra's `-disable-auto-cleanup` sends SIGUSR1 to every rank as each
+one closes its PMI socket, and after Python's own handlers are gone that would kill a rank
+that has finished cleanly.
 """
 
 from __future__ import annotations
 
+import atexit
 import signal
 import time
 from collections.abc import Iterable
@@ -32,6 +38,14 @@ HALT_FILE_NAME = "HALT"
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _DEADLINE, _HALT, _SIGNAL = 1, 2, 3  # the highest kind any rank saw names the reason
 _KIND, _SIG = 1 << 40, 1 << 32
+
+
+_IGNORED_AT_EXIT: set[int] = set()
+
+
+def _ignore_at_exit() -> None:
+    for s in _IGNORED_AT_EXIT:
+        signal.signal(s, signal.SIG_IGN)
 
 
 class PreemptionWatcher:
@@ -61,6 +75,9 @@ class PreemptionWatcher:
         watcher = cls(env, comm, halt_file, timeout_s)
         for s in signals:
             watcher._previous[s] = signal.signal(s, watcher._on_signal)
+        if not _IGNORED_AT_EXIT:  # registered after mpi4py's finalize, so it runs before it
+            atexit.register(_ignore_at_exit)
+        _IGNORED_AT_EXIT.update(signals)
         return watcher
 
     def uninstall(self) -> None:

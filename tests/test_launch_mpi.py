@@ -152,3 +152,40 @@ def test_missing_rank_times_out_instead_of_hanging(tmp_path):
     assert result.returncode != 0
     assert "LaunchError: rank 0 on" in result.stdout
     assert "agree whether to stop at step 5" in result.stdout
+
+
+STAGGERED_EXIT = r"""
+import os, time
+from mpi4py import MPI
+from spmd.launch import PreemptionWatcher, resolve_launch_env
+env = resolve_launch_env(os.environ, MPI.COMM_WORLD)
+PreemptionWatcher.install(env=env, timeout_s=30)
+time.sleep(0.4 * env.rank)   # ranks finish one after another, as rank 0 does after its plots
+"""
+
+
+def test_ranks_that_end_one_after_another_are_not_killed_by_hydras_sigusr1(tmp_path):
+    """Hydra (-disable-auto-cleanup) sends SIGUSR1 to all ranks as each one closes its PMI
+    socket; a rank past its Python handlers must ignore it, behind `spmd run`'s shim or not."""
+    from spmd.launch import rank_shim
+
+    script = tmp_path / "staggered.py"
+    script.write_text(STAGGERED_EXIT)
+    env = clean_env(PYTHONPATH=str(REPO))
+    for shim in ((), (sys.executable, rank_shim.__file__)):
+        for _ in range(2):
+            result = mpiexec(3, "-disable-auto-cleanup", *shim, sys.executable, str(script),
+                             env=env)
+            assert result.returncode == 0, (shim, result.returncode, result.stderr[-3000:])
+
+
+def test_watched_signals_are_ignored_once_the_interpreter_exits(tmp_path):
+    # the probe is registered first, so it runs after the watcher's exit handler (LIFO)
+    code = ("import atexit, os, signal\n"
+            "atexit.register(lambda: os._exit(0 if all(signal.getsignal(s) == signal.SIG_IGN\n"
+            "    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)) else 3))\n"
+            "from spmd.launch import PreemptionWatcher, resolve_launch_env\n"
+            "PreemptionWatcher.install(env=resolve_launch_env({}))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=clean_env(), timeout=120, cwd=REPO)
+    assert result.returncode == 0, (result.returncode, result.stderr)
