@@ -22,6 +22,7 @@ from typing import Any
 from spmd.launch import coordinator, devices, mpi, watchdog
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
+from spmd.launch.preemption import ignore_at_exit
 
 _current: dict[str, Any] = {}
 
@@ -84,6 +85,8 @@ def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
         return _current["env"]
     environ = os.environ if environ is None else environ
     comm = mpi.world(environ)
+    if comm is not None:  # after MPI_Init: a peer's exit must not kill this rank at its own
+        ignore_at_exit()
     env = resolve_launch_env(environ, comm, timeout_s=init_timeout_s)
     watchdog.watch_launcher(environ, env.who)  # `spmd run` gone -> this rank ends (<= 1 s)
     device_plan = devices.plan(env, environ)

@@ -10,10 +10,11 @@ time out (LaunchError) instead of hanging when a rank is gone.
 The trainer saves and exits with PREEMPTED_EXIT_CODE = 75 (EX_TEMPFAIL from sysexits.h);
 job scripts turn that status into a requeue.
 
-Once the interpreter exits, the watched signals are ignored (an atexit handler that runs
-before MPI_Finalize's): Hydra's `-disable-auto-cleanup` sends SIGUSR1 to every rank as each
-one closes its PMI socket, and after Python's own handlers are gone that would kill a rank
-that has finished cleanly.
+Once the interpreter exits, the watched signals are ignored (`ignore_at_exit`, also called
+by `bootstrap` for every rank under MPI; its atexit handler runs before MPI_Finalize's):
+Hydra's `-disable-auto-cleanup` sends SIGUSR1 to every rank as each one closes its PMI
+socket, and after Python's own handlers are gone that would kill a rank that has finished
+cleanly.
 """
 
 from __future__ import annotations
@@ -43,9 +44,17 @@ _KIND, _SIG = 1 << 40, 1 << 32
 _IGNORED_AT_EXIT: set[int] = set()
 
 
-def _ignore_at_exit() -> None:
+def _ignore_now() -> None:
     for s in _IGNORED_AT_EXIT:
         signal.signal(s, signal.SIG_IGN)
+
+
+def ignore_at_exit(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """Ignore `signals` once the interpreter exits. Call it after MPI is initialized: atexit
+    runs handlers last-in first-out, so this one then runs before mpi4py's MPI_Finalize."""
+    if not _IGNORED_AT_EXIT:
+        atexit.register(_ignore_now)
+    _IGNORED_AT_EXIT.update(signals)
 
 
 class PreemptionWatcher:
@@ -75,9 +84,7 @@ class PreemptionWatcher:
         watcher = cls(env, comm, halt_file, timeout_s)
         for s in signals:
             watcher._previous[s] = signal.signal(s, watcher._on_signal)
-        if not _IGNORED_AT_EXIT:  # registered after mpi4py's finalize, so it runs before it
-            atexit.register(_ignore_at_exit)
-        _IGNORED_AT_EXIT.update(signals)
+        ignore_at_exit(signals)
         return watcher
 
     def uninstall(self) -> None:

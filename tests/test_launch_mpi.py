@@ -155,11 +155,13 @@ def test_missing_rank_times_out_instead_of_hanging(tmp_path):
 
 
 STAGGERED_EXIT = r"""
-import os, time
-from mpi4py import MPI
-from spmd.launch import PreemptionWatcher, resolve_launch_env
-env = resolve_launch_env(os.environ, MPI.COMM_WORLD)
-PreemptionWatcher.install(env=env, timeout_s=30)
+import atexit, os, signal, time
+def check():  # registered first, so it runs last: after bootstrap's exit handler
+    if signal.getsignal(signal.SIGUSR1) != signal.SIG_IGN:
+        os._exit(3)
+atexit.register(check)
+from spmd.launch import bootstrap
+env = bootstrap(init_timeout_s=60)
 time.sleep(0.4 * env.rank)   # ranks finish one after another, as rank 0 does after its plots
 """
 
@@ -171,7 +173,7 @@ def test_ranks_that_end_one_after_another_are_not_killed_by_hydras_sigusr1(tmp_p
 
     script = tmp_path / "staggered.py"
     script.write_text(STAGGERED_EXIT)
-    env = clean_env(PYTHONPATH=str(REPO))
+    env = clean_env(PYTHONPATH=str(REPO), JAX_NUM_CPU_DEVICES="1")
     for shim in ((), (sys.executable, rank_shim.__file__)):
         for _ in range(2):
             result = mpiexec(3, "-disable-auto-cleanup", *shim, sys.executable, str(script),
