@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -144,8 +145,11 @@ def test_killing_one_rank_ends_the_other_naming_it(reference, tmp_path):
     # its own watchdog (69), and `spmd run` repeats its error at the end. (Hydra's mpiexec
     # exits with the bitwise OR of the statuses it has collected: 137, 69 or 137 | 69.)
     assert code in (137, ORPHANED_EXIT_CODE, 137 | ORPHANED_EXIT_CODE), code
+    assert "spmd run: the ranks' errors" in log, log
     summary = log[log.index("spmd run: the ranks' errors"):]
-    assert f"rank 0 vm ERROR spmd.launch: rank 0 on {os.uname().nodename}: lost rank 1" in summary
+    # the rank log's format (spmd.metrics.setup_logging): "<time> rank R <host> LEVEL name: ..."
+    assert (f"rank 0 {socket.gethostname()} ERROR spmd.launch: rank 0 on "
+            f"{os.uname().nodename}: lost rank 1") in summary, summary
     assert not tagged_pids(tag)
     assert not list((run_dir / "local").glob("9/rank*/COMMITTED"))
 
