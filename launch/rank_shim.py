@@ -50,27 +50,25 @@ def main(argv: list[str]) -> int:
     # a signal that arrives before the rank exists is held, then passed on (the rank's exec
     # resets these Python handlers to the default)
     pending: list[int] = []
-    children: list[subprocess.Popen] = []
+    child: subprocess.Popen | None = None
 
     def forward(signum: int, frame: object) -> None:
-        if not children:
+        if child is None:
             pending.append(signum)
             return
         try:
-            os.kill(children[0].pid, signum)
+            os.kill(child.pid, signum)
         except ProcessLookupError:
             pass
 
     for s in FORWARDED:
         signal.signal(s, forward)
     try:
-        children.append(subprocess.Popen(
-            argv, close_fds=False,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None))
+        child = subprocess.Popen(argv, close_fds=False,
+                                 preexec_fn=die_with_parent if sys.platform == "linux" else None)
     except OSError as e:
         print(f"spmd rank shim: cannot start {argv[0]}: {e}", file=sys.stderr)
         return 127
-    child = children[0]
     # Hydra's PMI socket must close when the rank's copy does (a socket that closes without a
     # PMI finalize makes the proxy signal the other ranks), so the shim keeps none
     if (pmi_fd := os.environ.get("PMI_FD", "")).isdigit():
