@@ -6,17 +6,21 @@ bubble model, and the compiled temporary bytes (peak activations) of GPipe vs 1F
 
 Method. The microbatch size is fixed (`--microbatch` rows; train.batch_size = M x rows) and
 M varies, so every tick costs the same and a step costs t(M) = tau (M + k): M microbatches
-of work plus k microbatches' worth of bubble (`sharding/pipeline.bubble_ticks`). Every
-stage computes every tick (lockstep SPMD; bubble slots compute on zeros), so on CPU, where
-the 8 devices share the cores, the bubble is wasted compute and shows in the wall time.
-- gpipe: k = S - 1, the textbook bubble (S - 1) / (M + S - 1);
-- 1f1b: k = ((S - 1) + (2S - 2)(2 + b)) / (3 + b), b = a stage's backward / forward FLOPs,
-  read here from XLA's cost analysis of the unrolled model (the primal forward runs before
-  the 1F1B ticks because the loss is outside the stack, and its backward recomputes).
+of work plus k microbatches' worth of bubble. Every stage computes every tick (lockstep
+SPMD; bubble slots compute on zeros), so on CPU, where the 8 devices share the cores, the
+bubble is wasted compute and shows in the wall time. The model is k = S - 1 for both
+schedules, the textbook bubble (S - 1) / (M + S - 1) (`sharding/pipeline.bubble_fraction`):
+GPipe runs M + S - 1 forward and backward ticks, 1F1B skips its warm-up's backward and its
+cool-down's forward slots (`sharding/one_f_one_b`).
 A least-squares line through the measured t(M) gives tau (slope) and k_measured =
 intercept / slope; the measured bubble at M is 1 - M tau / t(M), the model's k / (M + k).
 Work outside the stack (embedding, loss, optimizer) is small at these sizes and is counted
 as useful (slope) or bubble (intercept) as it falls.
+
+Recompute: 1F1B's tau is larger than GPipe's, because the loss is outside the stack and
+its schedule runs a stage forward three times per microbatch (primal, stash, inside the
+VJP): tau_1f1b / tau_gpipe = (3 + b) / (1 + b) in the model, with b = a stage's backward /
+forward FLOPs, read here from XLA's cost analysis of the unrolled model.
 
 Timing: every case is compiled first; then `--rounds` rounds run every case `--steps`
 times in turn (alternating the order), so load that drifts during the run touches every
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from spmd.sharding.pipeline import bubble_fraction, bubble_ticks
+    from spmd.sharding.pipeline import bubble_fraction
 
     s, d = args.stages, args.d_model
     data = jax.device_count() // s
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for sched in SCHEDULES:
         stats = {m: Stats.of(times[(sched, m)]) for m in ms}
         slope, intercept = fit_line(ms, [stats[m].median for m in ms])
-        k_model = bubble_ticks(sched, s, b)
+        k_model = float(s - 1)
         ok = slope > 0       # else the timing noise is larger than the M dependence
         fits[sched] = {"tau_s": slope, "intercept_s": intercept,
                        "k_measured": intercept / slope if ok else None, "k_model": k_model}
@@ -162,25 +166,29 @@ def main(argv: list[str] | None = None) -> int:
                 "schedule": sched, "microbatches": m, "batch_size": m * args.microbatch,
                 "step_s": t, "noise": stats[m].iqr / t, "steps": stats[m].n,
                 "bubble_measured": 1 - m * slope / t if ok else None,
-                "bubble_model": k_model / (m + k_model),
-                "bubble_textbook": bubble_fraction(s, m), "temp_bytes": cases[(sched, m)][1]})
+                "bubble_model": bubble_fraction(s, m), "temp_bytes": cases[(sched, m)][1]})
 
     head = ("schedule", "M", "step ms (median)", "noise (IQR/med)", "bubble measured",
-            "bubble model", "textbook (S-1)/(M+S-1)", "temp bytes")
+            "bubble model (S-1)/(M+S-1)", "temp bytes")
     rows = [head] + [(r["schedule"], str(r["microbatches"]), f"{1e3 * r['step_s']:.1f}",
                       f"{r['noise']:.1%}", _fmt(r["bubble_measured"]),
-                      f"{r['bubble_model']:.3f}", f"{r['bubble_textbook']:.3f}",
-                      f"{r['temp_bytes']:,}") for r in results]
+                      f"{r['bubble_model']:.3f}", f"{r['temp_bytes']:,}") for r in results]
     print(table(rows))
     for sched, f in fits.items():
         print(f"{sched}: t(M) = {1e3 * f['tau_s']:.1f} ms x (M + {_fmt(f['k_measured'])}); "
               f"model k = {f['k_model']:.2f}")
-    print(f"b (stage backward / forward FLOPs, XLA) = {b:.3f}")
+    recompute = {"model": (3 + b) / (1 + b),
+                 "measured": fits["1f1b"]["tau_s"] / fits["gpipe"]["tau_s"]
+                 if fits["gpipe"]["tau_s"] > 0 else None}
+    print(f"b (stage backward / forward FLOPs, XLA) = {b:.3f}; 1f1b recompute tau_1f1b / "
+          f"tau_gpipe = {_fmt(recompute['measured'])} (model (3 + b) / (1 + b) = "
+          f"{recompute['model']:.3f})")
     print(json_line({"benchmark": "pipeline_bubble", "mode": "short" if args.short else "full",
                      "stages": s, "data": data, "layers": args.layers, "d_model": d,
                      "seq_len": args.seq, "microbatch_rows": args.microbatch,
                      "rounds": args.rounds, "steps_per_round": args.steps,
-                     "backward_cost": b, "fits": fits, "results": results,
+                     "backward_cost": b, "recompute": recompute, "fits": fits,
+                     "results": results,
                      "backend": jax.default_backend(), "machine": machine()}))
     return 0
 

@@ -9,6 +9,10 @@ activations). Its backward rule runs M + 2S - 2 lockstep ticks; at tick t stage 
   t - (2S - 2 - k), whose output cotangent came from stage k + 1 in the previous tick (or
   the stack's output cotangent for k = S - 1), accumulates the parameter gradient and
   sends the input cotangent to stage k - 1 (`jnp.roll` backwards: a collective-permute).
+The first S - 1 ticks (warm-up) have no backward on any stage and the last S - 1
+(cool-down) no forward, so a `lax.switch` on t (the same branch on every device) skips
+them: each stage then spends M + S - 1 ticks on each kind of slot, M of them useful, and
+the bubble is the textbook (S - 1) / (M + S - 1) (`pipeline.bubble_fraction`).
 
 Invariants:
 - Stage k holds at most 2(S - 1 - k) + 1 <= 2S - 1 stashed stage inputs at once, whatever
@@ -18,10 +22,11 @@ Invariants:
   through the same stage VJPs; invalid (bubble) slots are masked to zero before they are
   accumulated.
 
-What this is not: the loss is outside the stack (the task computes it on the stack's
-output), so the primal forward runs once more before the 1F1B ticks start, and every tick
-computes both its forward and its backward slot on every stage (a select under `vmap`,
-not a `lax.cond` per stage), so idle half-ticks cost compute too.
+What this costs: the loss is outside the stack (the task computes it on the stack's
+output), so the backward cannot start before the whole forward has run; the schedule
+therefore runs each microbatch's stage forward three times (primal, stash, inside the VJP)
+where a 1F1B with the loss on the last stage runs it once or twice. That is recompute, as
+with remat, not bubble: a step is (M + S - 1) ticks of (3 f + b) against GPipe's (f + b).
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ from spmd.sharding.pipeline import Block, _on_stages, _Stages, gpipe_forward, st
 def _per_stage(mask: jax.Array, x: jax.Array) -> jax.Array:
     """Broadcast a (S,) mask against an array whose leading dimension is the stage."""
     return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+
+
+def tick_phase(t: Any, stages: int, microbatches: int) -> Any:
+    """0: warm-up (t < S - 1, no stage has a backward yet), 1: steady (both slots),
+    2: cool-down (t >= M + S - 1, no stage has a forward left). Works on ints and tracers."""
+    s, m = stages, microbatches
+    return jnp.asarray(t >= s - 1, jnp.int32) + jnp.asarray(t >= m + s - 1, jnp.int32)
 
 
 def one_f_one_b(block: Block, staged: Any, xs: jax.Array, stages: _Stages) -> jax.Array:
@@ -74,18 +86,19 @@ def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
     read = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, 0, keepdims=False))
     first, last = k == 0, k == s - 1
 
-    def tick(carry, t):
-        fbuf, gbuf, stash, grads, gxs = carry
-        # Forward slot: microbatch t - k, stashed for its backward.
+    def forward_slot(fbuf, stash, t):
+        """Stage k runs microbatch t - k forward and stashes its input for the backward."""
         fi = t - k
         f_ok = (fi >= 0) & (fi < m)
         new = jax.lax.dynamic_index_in_dim(xs, jnp.clip(t, 0, m - 1), 0, keepdims=False)
         inp = _on_stages(jnp.where(_per_stage(first, fbuf), new[None], fbuf), stages)
         out = _on_stages(forward(staged, inp), stages)
         slot = jnp.mod(jnp.clip(fi, 0, m - 1), ring)
-        old = read(stash, slot)
-        stash = write(stash, jnp.where(_per_stage(f_ok, inp), inp, old), slot)
-        # Backward slot: microbatch t - (2S - 2 - k).
+        stash = write(stash, jnp.where(_per_stage(f_ok, inp), inp, read(stash, slot)), slot)
+        return jnp.roll(out, 1, axis=0), stash
+
+    def backward_slot(gbuf, stash, grads, gxs, t):
+        """Stage k runs the backward of microbatch t - (2S - 2 - k) and sends g_in down."""
         bi = t - (2 * s - 2 - k)
         b_ok = (bi >= 0) & (bi < m)
         g_last = jax.lax.dynamic_index_in_dim(gys, jnp.clip(t - (s - 1), 0, m - 1), 0,
@@ -98,8 +111,28 @@ def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
         g_in = jnp.where(_per_stage(b_ok, g_in), g_in, 0)
         gxs = jax.lax.dynamic_update_index_in_dim(
             gxs, g_in[0], jnp.clip(t - (2 * s - 2), 0, m - 1), 0)
-        return (jnp.roll(out, 1, axis=0), _on_stages(jnp.roll(g_in, -1, axis=0), stages),
-                stash, grads, gxs), None
+        return _on_stages(jnp.roll(g_in, -1, axis=0), stages), grads, gxs
+
+    def tick(carry, t):
+        """One tick; which slots it runs is the same on every device (it depends on t only)."""
+        fbuf, gbuf, stash, grads, gxs = carry
+
+        def forward_only(fbuf, gbuf, stash, grads, gxs):
+            fbuf, stash = forward_slot(fbuf, stash, t)
+            return fbuf, gbuf, stash, grads, gxs
+
+        def both(fbuf, gbuf, stash, grads, gxs):
+            # forward first: the last stage's backward reads the input it stashes this tick
+            fbuf, stash = forward_slot(fbuf, stash, t)
+            gbuf, grads, gxs = backward_slot(gbuf, stash, grads, gxs, t)
+            return fbuf, gbuf, stash, grads, gxs
+
+        def backward_only(fbuf, gbuf, stash, grads, gxs):
+            gbuf, grads, gxs = backward_slot(gbuf, stash, grads, gxs, t)
+            return fbuf, gbuf, stash, grads, gxs
+
+        branches = (forward_only, both, backward_only)
+        return jax.lax.switch(tick_phase(t, s, m), branches, *carry), None
 
     zeros = _on_stages(jnp.zeros((s, *xs.shape[1:]), xs.dtype), stages)
     stash = _on_stages(jnp.zeros((s, ring, *xs.shape[1:]), xs.dtype), stages)

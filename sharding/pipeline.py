@@ -66,38 +66,15 @@ def num_stages(rules: RuleTable, mesh_shape: dict[str, int]) -> int:
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle fraction of a GPipe or 1F1B schedule: (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+    """Idle fraction of a GPipe or 1F1B schedule: (S - 1) / (M + S - 1).
 
-
-# A stage's backward relative to its forward, in FLOPs: two matmuls per forward matmul.
-BACKWARD_COST = 2.0
-
-
-def bubble_ticks(schedule: str, stages: int, backward_cost: float = BACKWARD_COST) -> float:
-    """k in this implementation's step time t(M) = tau (M + k) at a fixed microbatch size.
-
-    Every stage computes every tick (lockstep; bubble slots compute on zeros), so a step
-    costs M microbatches of useful work plus k microbatches' worth of bubble, in units of a
-    stage's forward (1) and backward (b = backward_cost):
-    - gpipe: M + S - 1 forward and M + S - 1 backward ticks: k = S - 1, the textbook bubble;
-    - 1f1b: the primal forward (M + S - 1 ticks: the loss is outside the stack) and then
-      M + 2S - 2 ticks that each run a forward and a recomputing backward (1 + (1 + b)):
-      k = ((S - 1) + (2S - 2)(2 + b)) / (3 + b).
+    Both schedules here have it: every stage computes in lockstep, and each stage-tick is
+    either one of its M microbatches or bubble. GPipe runs M + S - 1 forward and M + S - 1
+    backward ticks; 1F1B (`one_f_one_b`) runs M + S - 1 forward ticks (the loss is outside
+    the stack) and then M + 2S - 2 ticks whose warm-up runs only forwards and whose
+    cool-down only backwards, S - 1 + S - 1 + M of them, or M + S - 1 of each kind.
     """
-    s, b = stages, backward_cost
-    if schedule == "gpipe":
-        return float(s - 1)
-    if schedule == "1f1b":
-        return ((s - 1) + (2 * s - 2) * (2 + b)) / (3 + b)
-    raise ValueError(f"unknown pipeline schedule '{schedule}'; choose one of {SCHEDULES}")
-
-
-def lockstep_bubble_fraction(schedule: str, stages: int, microbatches: int,
-                             backward_cost: float = BACKWARD_COST) -> float:
-    """The fraction of this implementation's step spent on bubble slots: k / (M + k)."""
-    k = bubble_ticks(schedule, stages, backward_cost)
-    return k / (microbatches + k)
+    return (stages - 1) / (microbatches + stages - 1)
 
 
 _SCHEDULE: contextvars.ContextVar[PipelineSchedule | None] = contextvars.ContextVar(

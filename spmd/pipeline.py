@@ -24,7 +24,6 @@ from spmd.sharding.pipeline import (
     LAYERS,
     PipelineSchedule,
     bubble_fraction,
-    lockstep_bubble_fraction,
     stage_axes,
 )
 from spmd.tasks.base import Task
@@ -89,9 +88,7 @@ def stage_summary(report: ShardingReport, rules: RuleTable, mesh: Mesh,
                   schedule: PipelineSchedule | None) -> dict | None:
     """Per-stage figures for `spmd shardings` and `spmd plan` (None without a pipeline).
 
-    `bubble_fraction` is the textbook (S - 1) / (M + S - 1) of stages that run as soon as
-    their input arrives; `lockstep_bubble_fraction` is this implementation's, where every
-    stage computes every tick (sharding/pipeline.bubble_ticks, backward = 2 x forward).
+    `bubble_fraction` is (S - 1) / (M + S - 1), the idle fraction of both schedules.
     `stacked_bytes_per_device` is what one device holds of the parameters with a `layers`
     axis; `stacked_bytes_unstaged_per_device` the same with the stage axes dropped from
     their specs (what the strategy without stages would hold): about `stages` times more.
@@ -110,8 +107,6 @@ def stage_summary(report: ShardingReport, rules: RuleTable, mesh: Mesh,
         "microbatches": schedule.microbatches,
         "schedule": schedule.schedule,
         "bubble_fraction": bubble_fraction(stages, schedule.microbatches),
-        "lockstep_bubble_fraction": lockstep_bubble_fraction(
-            schedule.schedule, stages, schedule.microbatches),
         "layers_per_stage": layers // stages,
         "stacked_bytes_per_device": sum(p.bytes_per_device(shape) for p in stacked),
         "stacked_bytes_unstaged_per_device": sum(p.bytes_per_device(unstaged_shape)

@@ -180,9 +180,7 @@ class Plan:
             lines += ["", f"pipeline: {p['stages']} stages over {'+'.join(p['stage_axes'])}, "
                           f"{p['layers_per_stage']} layers per stage, {p['microbatches']} "
                           f"microbatches, schedule {p['schedule']}",
-                      f"  bubble fraction (S - 1) / (M + S - 1) = {p['bubble_fraction']:.3f}; "
-                      f"in this lockstep implementation (every stage computes every tick) "
-                      f"{p['lockstep_bubble_fraction']:.3f}",
+                      f"  bubble fraction (S - 1) / (M + S - 1) = {p['bubble_fraction']:.3f}",
                       f"  stacked layers per device {human(p['stacked_bytes_per_device'])} "
                       f"({human(p['stacked_bytes_unstaged_per_device'])} without stages)",
                       f"  stage-to-stage transfers: {p['stage_transfers']} collective-permutes "

@@ -18,7 +18,8 @@ from conftest import REPO, clean_env, run_spmd, train_steps
 from spmd.config import load_config
 from spmd.mesh import build_mesh
 from spmd.runtime import build_runtime
-from spmd.sharding.pipeline import bubble_fraction, bubble_ticks, lockstep_bubble_fraction
+from spmd.sharding.one_f_one_b import tick_phase
+from spmd.sharding.pipeline import bubble_fraction
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 4
@@ -154,14 +155,21 @@ def test_bubble_formula():
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
 
 
-def test_lockstep_bubble_model():
-    # GPipe: k = S - 1, so the lockstep fraction is the textbook one at every M.
-    for m in (1, 2, 4, 8):
-        assert lockstep_bubble_fraction("gpipe", 4, m) == pytest.approx(bubble_fraction(4, m))
-    # 1F1B here: primal forward (S - 1 bubble ticks of cost 1) + 2S - 2 bubble ticks of a
-    # forward and a recomputing backward (2 + b), per microbatch 3 + b.
-    assert bubble_ticks("1f1b", 4, backward_cost=2.0) == pytest.approx((3 + 6 * 4) / 5)
-    assert bubble_ticks("1f1b", 1) == 0.0
-    assert lockstep_bubble_fraction("1f1b", 4, 8) > bubble_fraction(4, 8)
-    with pytest.raises(ValueError, match="interleaved"):
-        bubble_ticks("interleaved", 4)
+@pytest.mark.parametrize("s,m", [(2, 1), (2, 8), (4, 1), (4, 2), (4, 8), (8, 3)])
+def test_1f1b_phases_skip_only_bubble_and_give_the_textbook_bubble(s, m):
+    """Every valid forward and backward slot falls in a tick whose phase runs it, and the
+    ticks that run each kind of slot number M + S - 1: so the bubble is (S-1)/(M+S-1)."""
+    ticks = m + 2 * s - 2
+    phases = [int(tick_phase(t, s, m)) for t in range(ticks)]
+    runs_forward = [p in (0, 1) for p in phases]
+    runs_backward = [p in (1, 2) for p in phases]
+    for t in range(ticks):
+        for k in range(s):
+            if 0 <= t - k < m:                          # stage k's forward of t - k
+                assert runs_forward[t], (t, k)
+            if 0 <= t - (2 * s - 2 - k) < m:            # stage k's backward
+                assert runs_backward[t], (t, k)
+    assert sum(runs_forward) == sum(runs_backward) == m + s - 1
+    assert phases == sorted(phases) and phases.count(1) == m   # warm-up, steady, cool-down
+    # per stage: M useful slots of each kind out of M + S - 1 ticks of that kind
+    assert 1 - m / sum(runs_forward) == pytest.approx(bubble_fraction(s, m))

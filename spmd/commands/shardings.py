@@ -20,8 +20,7 @@ def format_stages(stages: dict) -> str:
     """The pipeline lines of the text report."""
     return (f"pipeline: {stages['stages']} stages over {'+'.join(stages['stage_axes'])}, "
             f"{stages['microbatches']} microbatches, {stages['schedule']}, bubble "
-            f"{stages['bubble_fraction']:.3f} ({stages['lockstep_bubble_fraction']:.3f} "
-            f"lockstep); stacked layers {stages['layers_per_stage']} per "
+            f"{stages['bubble_fraction']:.3f}; stacked layers {stages['layers_per_stage']} per "
             f"stage: {stages['stacked_bytes_per_device']:,} B per device "
             f"({stages['stacked_bytes_unstaged_per_device']:,} B without stages)")
 
