@@ -3,6 +3,7 @@ bubble model, and the compiled temporary bytes (peak activations) of GPipe vs 1F
 
     python benchmarks/pipeline_bubble.py           # stage=4 x data=2, 8 layers, M = 1 2 4 8
     python benchmarks/pipeline_bubble.py --short   # CI: M = 1 2, one round
+    python benchmarks/pipeline_bubble.py --repeats 2 --microbatches 4,8,12,16  # + circular
 
 Method. The microbatch size is fixed (`--microbatch` rows; train.batch_size = M x rows) and
 M varies, so every tick costs the same and a step costs t(M) = tau (M + k): M microbatches
@@ -11,7 +12,10 @@ SPMD; bubble slots compute on zeros), so on CPU, where the 8 devices share the c
 bubble is wasted compute and shows in the wall time. The model is k = S - 1 for both
 schedules, the textbook bubble (S - 1) / (M + S - 1) (`sharding/pipeline.bubble_fraction`):
 GPipe runs M + S - 1 forward and backward ticks, 1F1B skips its warm-up's backward and its
-cool-down's forward slots (`sharding/one_f_one_b`).
+cool-down's forward slots (`sharding/one_f_one_b`). With `--repeats R` a circular gpipe
+(`train.pipeline_repeats=R`: each microbatch goes round the stages R times through chunks
+of L/(S R) layers) is timed too: its fill and drain are S - 1 chunk ticks of tau / R, so
+k = (S - 1) / R and the bubble (S - 1) / (R M + S - 1).
 A least-squares line through the measured t(M) gives tau (slope) and k_measured =
 intercept / slope; the measured bubble at M is 1 - M tau / t(M), the model's k / (M + k).
 Work outside the stack (embedding, loss, optimizer) is small at these sizes and is counted
@@ -48,6 +52,7 @@ from common import Stats, json_line, machine, table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "transformer_tiny.yaml"
 SCHEDULES = ("gpipe", "1f1b")
+CIRCULAR = "gpipe-circular"      # gpipe with train.pipeline_repeats = --repeats
 
 
 def backward_cost(overrides: list[str]) -> float:
@@ -77,7 +82,7 @@ def backward_cost(overrides: list[str]) -> float:
     return (grad - fwd) / fwd
 
 
-def compile_case(base: list[str], m: int, rows: int, schedule: str):
+def compile_case(base: list[str], m: int, rows: int, schedule: str, repeats: int = 1):
     import jax
 
     from spmd.config import load_config
@@ -86,7 +91,8 @@ def compile_case(base: list[str], m: int, rows: int, schedule: str):
 
     cfg = load_config(CONFIG, [*base, f"train.microbatches={m}",
                                f"train.batch_size={m * rows}",
-                               f"train.pipeline_schedule={schedule}"])
+                               f"train.pipeline_schedule={schedule}",
+                               f"train.pipeline_repeats={repeats}"])
     rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
     compiled, _ = rt.compile_train_step()
     state = rt.init()
@@ -126,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="timed steps per case per round")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="also time a circular gpipe with this many repeats (M must be "
+                        "multiples of --stages)")
     p.add_argument("--short", action="store_true", help="CI mode: M = 1, 2; one round")
     args = p.parse_args(argv)
     if args.short:
@@ -144,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             f"mesh.axes.data={data}", "train.donate=false"]
     b = backward_cost(base)
     ms = [int(x) for x in args.microbatches.split(",")]
-    cases = {(sched, m): compile_case(base, m, args.microbatch, sched)
-             for m in ms for sched in SCHEDULES}
+    schedules = {name: (name, 1) for name in SCHEDULES}
+    if args.repeats > 1:
+        schedules[CIRCULAR] = ("gpipe", args.repeats)
+    cases = {(name, m): compile_case(base, m, args.microbatch, *schedules[name])
+             for m in ms for name in schedules}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in cases}
     order = list(cases)
     for r in range(args.rounds):
@@ -153,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             times[key] += [cases[key][0]() for _ in range(args.steps)]
 
     results, fits = [], {}
-    for sched in SCHEDULES:
+    for sched, (_, repeats) in schedules.items():
         stats = {m: Stats.of(times[(sched, m)]) for m in ms}
         slope, intercept = fit_line(ms, [stats[m].median for m in ms])
-        k_model = float(s - 1)
+        k_model = (s - 1) / repeats      # t = (tau / R) (R M + S - 1)
         ok = slope > 0       # else the timing noise is larger than the M dependence
         fits[sched] = {"tau_s": slope, "intercept_s": intercept,
                        "k_measured": intercept / slope if ok else None, "k_model": k_model}
@@ -166,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                 "schedule": sched, "microbatches": m, "batch_size": m * args.microbatch,
                 "step_s": t, "noise": stats[m].iqr / t, "steps": stats[m].n,
                 "bubble_measured": 1 - m * slope / t if ok else None,
-                "bubble_model": bubble_fraction(s, m), "temp_bytes": cases[(sched, m)][1]})
+                "bubble_model": bubble_fraction(s, m, repeats), "temp_bytes": cases[(sched, m)][1]})
 
     head = ("schedule", "M", "step ms (median)", "noise (IQR/med)", "bubble measured",
-            "bubble model (S-1)/(M+S-1)", "temp bytes")
+            "bubble model (S-1)/(R M+S-1)", "temp bytes")
     rows = [head] + [(r["schedule"], str(r["microbatches"]), f"{1e3 * r['step_s']:.1f}",
                       f"{r['noise']:.1%}", _fmt(r["bubble_measured"]),
                       f"{r['bubble_model']:.3f}", f"{r['temp_bytes']:,}") for r in results]

@@ -36,12 +36,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spmd.sharding.pipeline import Block, _on_stages, _Stages, gpipe_forward, stage_function
-
-
-def _per_stage(mask: jax.Array, x: jax.Array) -> jax.Array:
-    """Broadcast a (S,) mask against an array whose leading dimension is the stage."""
-    return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+from spmd.sharding.pipeline import (
+    Block,
+    _on_stages,
+    _per_stage,
+    _Stages,
+    gpipe_forward,
+    stage_function,
+)
 
 
 def tick_phase(t: Any, stages: int, microbatches: int) -> Any:

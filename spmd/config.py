@@ -63,9 +63,11 @@ class TrainConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     eval_every: int = Field(0, ge=0)
     donate: bool = True
-    # Pipelined strategies (layers on stage): microbatches per step and their schedule.
+    # Pipelined strategies (layers on stage): microbatches per step and their schedule;
+    # repeats > 1 is a circular gpipe (stage k runs layer chunks k, k + S, ...).
     microbatches: int = Field(1, ge=1)
     pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    pipeline_repeats: int = Field(1, ge=1)
 
 
 class DataConfig(_Section):

@@ -80,6 +80,53 @@ def test_pipeline_matches_one_device(case, schedule):
         assert state.params["embedding"].sharding.spec in (P(), P(None, None))
 
 
+CIRCULAR = {
+    # 8 layers in 8 chunks: stage k runs layers k and k + 4
+    "pp-stage4-data2-m4-r2": ("pp", "model.num_layers=8", "mesh.axes.stage=4",
+                              "mesh.axes.data=2", "train.microbatches=4"),
+    "pp_fsdp-stage2-fsdp4-m2-r2": ("pp_fsdp", "mesh.axes.stage=2", "mesh.axes.fsdp=4",
+                                   "train.microbatches=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(CIRCULAR))
+def test_circular_pipeline_matches_one_device(case):
+    """train.pipeline_repeats=2: each microbatch goes round the stages twice, and the stored
+    parameters keep layer order (still on `stage` by contiguous blocks)."""
+    strategy, *overrides = CIRCULAR[case]
+    ref_losses, ref_params = reference(*(o for o in overrides if o.startswith("model.")))
+    rt = make(strategy, jax.devices(), *overrides, "train.pipeline_repeats=2")
+    assert rt.pipeline.repeats == 2
+    losses, state = train_steps(rt, STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5),
+                 jax.device_get(state.params), ref_params)
+    assert state.params["blocks"]["mlp"]["up"]["kernel"].sharding.spec[0] == "stage"
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (("mesh.axes.stage=2", "mesh.axes.data=4", "train.pipeline_repeats=4"),
+     ("model.num_layers=4", "train.pipeline_repeats=4", "mesh.axes.stage=2")),
+    (("mesh.axes.stage=2", "mesh.axes.data=4", "train.pipeline_repeats=2",
+      "train.microbatches=2", "train.pipeline_schedule=1f1b"),
+     ("train.pipeline_repeats=2", "train.pipeline_schedule=gpipe", "1f1b")),
+    (("mesh.axes.stage=4", "mesh.axes.data=2", "model.num_layers=8",
+      "train.pipeline_repeats=2", "train.microbatches=2"),
+     ("train.pipeline_repeats=2", "train.microbatches=2", "multiple of 4")),
+], ids=["layers-not-divisible-by-stages-x-repeats", "repeats-with-1f1b",
+        "microbatches-not-a-multiple-of-stages"])
+def test_bad_circular_configs_name_their_keys(overrides, needles):
+    from spmd.errors import ConfigError
+
+    cfg = load_config(CONFIG, ["mesh.strategy=pp", *LAYERS, *overrides])
+    with pytest.raises(ConfigError) as err:
+        build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    message = str(err.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
 def test_pipeline_composes_with_tensor():
     """pp with mesh.axes.tensor=2 and Megatron rules for mlp/heads: still one device's losses."""
     ref = reference()[0][:2]
@@ -140,15 +187,17 @@ def test_model_without_stacked_layers_under_pp(overrides, run_dir):
         assert "model.scan_layers=true" in r.stderr
 
 
-def test_microbatches_without_pipeline_is_an_error():
-    cfg = load_config(CONFIG, ["train.microbatches=2"])
+@pytest.mark.parametrize("key", ["microbatches", "pipeline_repeats"])
+def test_microbatches_without_pipeline_is_an_error(key):
+    cfg = load_config(CONFIG, [f"train.{key}=2"])
     from spmd.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"train\.microbatches=2 needs pipeline stages"):
+    with pytest.raises(ConfigError, match=rf"train\.{key}=2 needs pipeline stages"):
         build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
 
 
 def test_bubble_formula():
+    assert bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)   # (S-1)/(R M + S-1)
     assert bubble_fraction(1, 8) == 0.0
     assert bubble_fraction(4, 1) == pytest.approx(3 / 4)
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)

@@ -97,6 +97,20 @@ def test_plan_under_pp_reports_stages_bubble_and_stage_transfers():
     assert plan.as_json()["pipeline"]["stage_transfers"] == p["stage_transfers"]
 
 
+def test_plan_under_circular_pp_reports_repeats_and_their_bubble():
+    cfg = load_config(CONFIG, ["mesh.strategy=pp", "mesh.axes.stage=2", "mesh.axes.data=4",
+                               "model.num_layers=4", "train.microbatches=2",
+                               "train.pipeline_repeats=2"])
+    plan = make_plan(cfg, plan_mesh(cfg))
+    p = plan.pipeline
+    assert (p["stages"], p["microbatches"], p["repeats"]) == (2, 2, 2)
+    assert p["bubble_fraction"] == pytest.approx(1 / 5)          # (S - 1) / (R M + S - 1)
+    assert p["stacked_bytes_unstaged_per_device"] == 2 * p["stacked_bytes_per_device"] > 0
+    text = plan.as_text()
+    assert "schedule gpipe, 2 repeats (circular)" in text
+    assert "bubble fraction (S - 1) / (R M + S - 1) = 0.200" in text
+
+
 @pytest.mark.parametrize("devices,overrides", [
     (64, ["mesh.strategy=fsdp", "train.batch_size=64"]),
     (512, ["mesh.strategy=dp", "train.batch_size=512"]),

@@ -18,8 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def format_stages(stages: dict) -> str:
     """The pipeline lines of the text report."""
+    repeats = f", {stages['repeats']} repeats" if stages["repeats"] > 1 else ""
     return (f"pipeline: {stages['stages']} stages over {'+'.join(stages['stage_axes'])}, "
-            f"{stages['microbatches']} microbatches, {stages['schedule']}, bubble "
+            f"{stages['microbatches']} microbatches, {stages['schedule']}{repeats}, bubble "
             f"{stages['bubble_fraction']:.3f}; stacked layers {stages['layers_per_stage']} per "
             f"stage: {stages['stacked_bytes_per_device']:,} B per device "
             f"({stages['stacked_bytes_unstaged_per_device']:,} B without stages)")
