@@ -117,7 +117,6 @@ def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
 
     def tick(carry, t):
         """One tick; which slots it runs is the same on every device (it depends on t only)."""
-        fbuf, gbuf, stash, grads, gxs = carry
 
         def forward_only(fbuf, gbuf, stash, grads, gxs):
             fbuf, stash = forward_slot(fbuf, stash, t)
