@@ -199,8 +199,8 @@ def gpipe_forward(block: Block, staged: Any, xs: jax.Array, stages: _Stages) -> 
     s, m = stages.count, xs.shape[0]
     r = stages.schedule.repeats
     run = jax.vmap(stage_function(block), spmd_axis_name=stages.axes)
-    first = jnp.arange(s) == 0
     k = jnp.arange(s)
+    first = k == 0
     pick = jax.vmap(lambda p, j: jax.tree.map(
         lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), p),
         spmd_axis_name=stages.axes)

@@ -177,13 +177,13 @@ class Plan:
                       for p in self.layer_stacks]
         if self.pipeline:
             p = self.pipeline
+            circular = p["repeats"] > 1
             lines += ["", f"pipeline: {p['stages']} stages over {'+'.join(p['stage_axes'])}, "
                           f"{p['layers_per_stage']} layers per stage, {p['microbatches']} "
                           f"microbatches, schedule {p['schedule']}"
-                          + (f", {p['repeats']} repeats (circular)" if p["repeats"] > 1 else ""),
-                      (f"  bubble fraction (S - 1) / (R M + S - 1) = {p['bubble_fraction']:.3f}"
-                       if p["repeats"] > 1 else
-                       f"  bubble fraction (S - 1) / (M + S - 1) = {p['bubble_fraction']:.3f}"),
+                          + (f", {p['repeats']} repeats (circular)" if circular else ""),
+                      f"  bubble fraction (S - 1) / ({'R M' if circular else 'M'} + S - 1) = "
+                      f"{p['bubble_fraction']:.3f}",
                       f"  stacked layers per device {human(p['stacked_bytes_per_device'])} "
                       f"({human(p['stacked_bytes_unstaged_per_device'])} without stages)",
                       f"  stage-to-stage transfers: {p['stage_transfers']} collective-permutes "

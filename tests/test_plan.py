@@ -79,11 +79,15 @@ def test_plan_in_process_fsdp_tp_reports_everything():
     assert scanned.as_json()["layer_stacks"] == scanned.layer_stacks
 
 
+def pp_plan(*overrides: str):
+    """The plan of the 4-layer transformer under `pp` with these overrides."""
+    cfg = load_config(CONFIG, ["mesh.strategy=pp", "model.num_layers=4", *overrides])
+    return make_plan(cfg, plan_mesh(cfg))
+
+
 def test_plan_under_pp_reports_stages_bubble_and_stage_transfers():
-    cfg = load_config(CONFIG, ["mesh.strategy=pp", "mesh.axes.stage=4", "mesh.axes.data=2",
-                               "model.num_layers=4", "train.microbatches=2",
-                               "train.pipeline_schedule=1f1b"])
-    plan = make_plan(cfg, plan_mesh(cfg))
+    plan = pp_plan("mesh.axes.stage=4", "mesh.axes.data=2", "train.microbatches=2",
+                   "train.pipeline_schedule=1f1b")
     p = plan.pipeline
     assert (p["stages"], p["microbatches"], p["schedule"]) == (4, 2, "1f1b")
     assert p["layers_per_stage"] == 1
@@ -98,10 +102,8 @@ def test_plan_under_pp_reports_stages_bubble_and_stage_transfers():
 
 
 def test_plan_under_circular_pp_reports_repeats_and_their_bubble():
-    cfg = load_config(CONFIG, ["mesh.strategy=pp", "mesh.axes.stage=2", "mesh.axes.data=4",
-                               "model.num_layers=4", "train.microbatches=2",
-                               "train.pipeline_repeats=2"])
-    plan = make_plan(cfg, plan_mesh(cfg))
+    plan = pp_plan("mesh.axes.stage=2", "mesh.axes.data=4", "train.microbatches=2",
+                   "train.pipeline_repeats=2")
     p = plan.pipeline
     assert (p["stages"], p["microbatches"], p["repeats"]) == (2, 2, 2)
     assert p["bubble_fraction"] == pytest.approx(1 / 5)          # (S - 1) / (R M + S - 1)
