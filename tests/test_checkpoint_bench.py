@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, clean_env
 
 
@@ -33,7 +35,31 @@ def test_checkpoint_bench_short():
         assert record[key]["median"] > 0 and record[key]["n"] == 2, key
     for key in ("save_cost_local_s", "save_cost_orbax_s", "save_cost_ratio_local_over_orbax"):
         assert record[key]["n"] == 2, key
+    # throughput of the tiny transformer: off / spmd / Orbax windows of 12 steps, saves at
+    # steps 4 and 8 of each spmd window (none spills into the next), 2 rotations
     train = record["train"]
-    assert train["saves"] == 6 and train["step_s_off"] > 0 and train["ratio"] > 0
+    assert train["model"] == "tiny" and train["saves"] == 4 and train["reps"] == 2
+    assert all(len(train[k]) == 2 and min(train[k]) > 0 for k in ("off_s", "on_s", "orbax_s"))
+    assert train["step_s_off"] > 0 and train["ratio"] > 0 and train["ratio_orbax"] > 0
     assert 0 < train["blocked_fraction"] < 1
     assert not list(REPO.glob("ckpt-bench-*")), "the benchmark left its files behind"
+
+
+def test_checkpoint_bench_throughput_of_the_synthetic_step():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_bench.py"),
+                           "--short", "--model", "synthetic", "--train-steps", "8",
+                           "--train-reps", "1"], capture_output=True, text=True,
+                          env=clean_env(compile_cache=False), timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train = json.loads(proc.stdout.strip().splitlines()[-1])["train"]
+    assert (train["model"], train["saves"], train["reps"]) == ("synthetic", 1, 1)
+    assert "training throughput (synthetic)" in proc.stdout
+
+
+@pytest.mark.parametrize("steps", ["4", "10"])
+def test_checkpoint_bench_refuses_windows_a_save_would_spill_out_of(steps):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_bench.py"),
+                           "--short", "--train-steps", steps], capture_output=True, text=True,
+                          env=clean_env(compile_cache=False), timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    assert f"--train-steps {steps} must be a multiple of --every (4)" in proc.stderr
