@@ -108,6 +108,24 @@ def test_failed_save_keeps_previous_latest_and_names_rank_and_path(reference, tm
     assert listing["latest"]["local"] == 15
 
 
+def test_failed_host_copy_on_one_rank_fails_the_step_on_all_at_once(reference, tmp_path):
+    """Rank 1's host copy of step 15 fails (fault injection): it still takes part in the
+    partner exchange, so rank 0 is told at once instead of waiting out checkpoint.timeout_s."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    failed = train(2, run_dir, *CKPT, "train.steps=18",
+                   SPMD_CKPT_TEST_FAIL_HOST_COPY="15:1")
+    assert failed.returncode != 0
+    assert "step 15 was not committed to the local tier" in failed.stderr
+    assert "rank 1: host copy of the snapshot of step 15 failed" in failed.stderr
+    assert "timed out" not in failed.stderr, failed.stderr[-3000:]
+    (failure,) = [e for e in events(run_dir, "save_failed") if e["step"] == 15]
+    assert not any("timed out" in err for err in failure["errors"])
+    assert not list((run_dir / "local").glob("15/rank*/COMMITTED"))
+    listing = json.loads(run_spmd("ckpt", "ls", str(run_dir), "--json").stdout)
+    assert listing["latest"]["local"] == 12
+
+
 def test_preempted_run_saves_off_schedule_and_resumes_bit_identical(reference, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -174,15 +174,58 @@ class LocalTier:
     # ------------------------------------------------------------------ save
 
     def write(self, step: int, layout: SaveLayout, pieces: Sequence[Piece],
-              arrays: Sequence[np.ndarray], transport: Transport | None, tag: int) -> dict:
+              arrays: Sequence[np.ndarray], transport: Transport | None, tag: int, *,
+              failed: str | None = None) -> dict:
         """Write this rank's pieces (and receive partner copies) into place, not yet committed.
 
-        Always takes part in the partner exchange, even when its own disk fails, so partners
-        never wait in vain. Returns a vote; raises nothing.
+        Always takes part in the partner exchange, even when its own disk fails or (`failed`,
+        the reason) it has no host copy of its pieces at all, so partners never wait in vain.
+        Returns a vote; raises nothing.
         """
         final, tmp = self.rank_dir(step), self.step_dir(step) / f"{rank_name(self.rank)}.tmp"
-        error, nbytes, where = None, 0, tmp
         t0 = time.perf_counter()
+        if failed is None:
+            index, nbytes, error = self._write_own(step, layout, pieces, arrays, tmp, final)
+        else:        # nothing to write or send: the exchange carries an index of no pieces
+            index, nbytes, error = make_index(step, self.rank, layout, [], []), 0, failed
+            arrays = []
+        sinks = []
+        if transport is not None and self.holder_of:
+            t1 = time.perf_counter()
+            sinks = [_PartnerSink(tmp, q, self.fsync) for q in self.held_for]
+            sends = [Outgoing(self.holder_of[self.rank], {"index": index, "ok": error is None},
+                              [as_bytes(a) for a in arrays])]
+            try:
+                transport.exchange(sends, [Incoming(q, s) for q, s in zip(self.held_for, sinks)],
+                                   tag, f"exchanging partner copies of step {step}")
+            except Exception as e:
+                error = error or f"rank {self.rank}: partner exchange of step {step}: {_err(e)}"
+            log.debug("partner exchange of step %d took %.3f s", step, time.perf_counter() - t1)
+        files, where = {}, tmp
+        if error is None:
+            try:
+                files[INDEX] = hex32(crc32(dumps(index)))
+                for s in sinks:
+                    where = tmp / f"{s.base}.bin"
+                    files[f"{s.base}.json"] = hex32(s.finish())
+                if self.fsync:
+                    fsync_dir(tmp)
+                where = final
+                os.rename(tmp, final)
+                if self.fsync:
+                    fsync_dir(final.parent)
+            except Exception as e:
+                error = f"rank {self.rank}: writing step {step} to {where} failed: {_err(e)}"
+        if error is not None:
+            return {"ok": False, "error": error}
+        return {"ok": True, "bytes": nbytes, "files": files, "seconds": time.perf_counter() - t0,
+                "newest": self.newest_committed(below=step)}
+
+    def _write_own(self, step: int, layout: SaveLayout, pieces: Sequence[Piece],
+                   arrays: Sequence[np.ndarray], tmp: Path, final: Path
+                   ) -> tuple[dict, int, str | None]:
+        """Data + index of this rank's pieces into `tmp`: (index, bytes written, error)."""
+        nbytes, where = 0, tmp
         try:
             tmp.parent.mkdir(parents=True, exist_ok=True)
             for stale in (tmp, final):  # left by an earlier incarnation of this run
@@ -208,38 +251,8 @@ class LocalTier:
             _stall_for_tests(step)
         except Exception as e:
             error = f"rank {self.rank}: writing step {step} to {where} failed: {_err(e)}"
-            index = make_index(step, self.rank, layout, pieces, [0] * len(pieces))
-        sinks = []
-        if transport is not None and self.holder_of:
-            t1 = time.perf_counter()
-            sinks = [_PartnerSink(tmp, q, self.fsync) for q in self.held_for]
-            sends = [Outgoing(self.holder_of[self.rank], {"index": index, "ok": error is None},
-                              [as_bytes(a) for a in arrays])]
-            try:
-                transport.exchange(sends, [Incoming(q, s) for q, s in zip(self.held_for, sinks)],
-                                   tag, f"exchanging partner copies of step {step}")
-            except Exception as e:
-                error = error or f"rank {self.rank}: partner exchange of step {step}: {_err(e)}"
-            log.debug("partner exchange of step %d took %.3f s", step, time.perf_counter() - t1)
-        files = {}
-        if error is None:
-            try:
-                files[INDEX] = hex32(crc32(dumps(index)))
-                for s in sinks:
-                    where = tmp / f"{s.base}.bin"
-                    files[f"{s.base}.json"] = hex32(s.finish())
-                if self.fsync:
-                    fsync_dir(tmp)
-                where = final
-                os.rename(tmp, final)
-                if self.fsync:
-                    fsync_dir(final.parent)
-            except Exception as e:
-                error = f"rank {self.rank}: writing step {step} to {where} failed: {_err(e)}"
-        if error is not None:
-            return {"ok": False, "error": error}
-        return {"ok": True, "bytes": nbytes, "files": files, "seconds": time.perf_counter() - t0,
-                "newest": self.newest_committed(below=step)}
+            return make_index(step, self.rank, layout, pieces, [0] * len(pieces)), nbytes, error
+        return index, nbytes, None
 
     def commit(self, step: int, layout: SaveLayout, files: dict[str, str]) -> None:
         """Write the COMMITTED marker (after every rank agreed)."""

@@ -13,6 +13,7 @@ time (creation to close) training spent blocked on, or waiting for, checkpoints.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -249,12 +250,14 @@ class HierarchicalCheckpointer:
         def job() -> None:
             try:
                 try:
-                    arrays = snap.pieces(pids)
+                    _fail_host_copy_for_tests(step, self.rank)
+                    arrays, failed = snap.pieces(pids), None
                 except Exception as e:
-                    vote = {"ok": False, "error": f"rank {self.rank}: host copy of the snapshot "
-                                                  f"of step {step} failed: {type(e).__name__}: {e}"}
-                else:
-                    vote = local.write(step, layout, pieces, arrays, self.transport, tag)
+                    arrays, failed = [], (f"rank {self.rank}: host copy of the snapshot of step "
+                                          f"{step} failed: {type(e).__name__}: {e}")
+                # a failed rank still takes part in the partner exchange: no one waits for it
+                vote = local.write(step, layout, pieces, arrays, self.transport, tag,
+                                   failed=failed)
             finally:
                 snap.release()
             decision = self._local_coord.agree(f"commit step {step} to the local tier", vote,
@@ -371,3 +374,10 @@ class HierarchicalCheckpointer:
             self.events.emit(event, **fields)
         else:
             log.info("%s %s", event, fields)
+
+
+def _fail_host_copy_for_tests(step: int, rank: int) -> None:
+    """Fault injection: SPMD_CKPT_TEST_FAIL_HOST_COPY=STEP:RANK fails that rank's host copy."""
+    spec = os.environ.get("SPMD_CKPT_TEST_FAIL_HOST_COPY", "")
+    if spec and spec.split(":") == [str(step), str(rank)]:
+        raise RuntimeError("SPMD_CKPT_TEST_FAIL_HOST_COPY: injected failure")
