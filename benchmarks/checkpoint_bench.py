@@ -78,7 +78,7 @@ class Events:
 
 def checkpointer(root: Path, events: Events | None = None, **ck):
     from spmd.checkpoint import make_checkpointer
-    from spmd.config import config_from_dict
+    from spmd.config.load import config_from_dict
 
     cfg = config_from_dict({"run": {"dir": str(root)}, "checkpoint": {"keep": 1, **ck}})
     env = SimpleNamespace(rank=0, size=1, node_of_rank=(0,), num_nodes=1)

@@ -10,7 +10,7 @@ peak, with model FLOPs from the PaLM formula (6 N per token plus causal attentio
 12 L d T / 2 per token: `LanguageModelTask.flops_per_example`) and the dense bf16
 peak of the device (989 TFLOP/s for H100 SXM and H200). Target: MFU >= 50%.
 
-The GPU XLA flags and environment of spmd's system profiles (`spmd.systems`) are
+The GPU XLA flags and environment of spmd's system profiles (`spmd.hpc.systems`) are
 applied before JAX starts; `--system NAME` takes them from that profile instead.
 """
 
@@ -58,7 +58,7 @@ def size_overrides(name: str, seq: int | None, batch: int | None) -> list[str]:
 
 def apply_gpu_settings(system: str | None) -> tuple[list[str], dict[str, str]]:
     """XLA flags and environment of the system profile, set before JAX starts."""
-    from spmd.systems import GPU_XLA_FLAGS, NVIDIA_GPU_ENV, system_profile
+    from spmd.hpc.systems import GPU_XLA_FLAGS, NVIDIA_GPU_ENV, system_profile
 
     if system is not None:
         profile = system_profile(system)
@@ -88,10 +88,10 @@ def n_params(m) -> int:
 
 def compile_size(name: str, overrides: list[str], device, limit, limit_fraction: float):
     """Compile spmd's step for one size on `device`: (rt, compiled, plan, fits)."""
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.plan import plan_from_compiled
-    from spmd.runtime import build_runtime
+    from spmd.aot.plan import plan_from_compiled
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
 
     cfg = load_config(CONFIG, [*COMMON, *overrides])
     rt = build_runtime(cfg, build_mesh(cfg.mesh, [device]))

@@ -61,11 +61,11 @@ def backward_cost(overrides: list[str]) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from spmd.config import load_config
-    from spmd.plan import compiled_flops
+    from spmd.aot.plan import compiled_flops
+    from spmd.config.load import build_task, load_config
 
     cfg = load_config(CONFIG, [*overrides, "model.scan_layers=false", "mesh.strategy=dp"])
-    model = cfg.build_task().build_model(nnx.Rngs(0))
+    model = build_task(cfg).build_model(nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((8, cfg.model.seq_len), jnp.int32)
 
@@ -85,9 +85,9 @@ def backward_cost(overrides: list[str]) -> float:
 def compile_case(base: list[str], m: int, rows: int, schedule: str, repeats: int = 1):
     import jax
 
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.runtime import build_runtime
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
 
     cfg = load_config(CONFIG, [*base, f"train.microbatches={m}",
                                f"train.batch_size={m * rows}",

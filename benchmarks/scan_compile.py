@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.runtime import build_runtime
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
 
     d = args.d_model
     base = [f"model.num_layers={args.layers}", f"model.d_model={d}",

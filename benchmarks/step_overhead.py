@@ -157,9 +157,9 @@ def build_pair(overrides: list[str], strategy: str, num_devices: int):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.runtime import build_runtime
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
 
     # The baseline is the unrolled program with XLA attention: pin spmd to the same.
     cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", "model.scan_layers=false",
@@ -208,7 +208,7 @@ def run_case(name: str, overrides: list[str], num_devices: int, steps: int, reps
              strategy: str) -> dict:
     import jax
 
-    from spmd.plan import compiled_flops
+    from spmd.aot.plan import compiled_flops
 
     rt, spmd_state, plain, plain_state, batch, cfg = build_pair(overrides, strategy, num_devices)
     # The two compiled programs, side by side (cached: both steps have already run).

@@ -7,10 +7,10 @@
         save(); sys.exit(PREEMPTED_EXIT_CODE)               # 75: the job script requeues
 """
 
-from spmd.launch.bootstrap import bootstrap, shutdown
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
 from spmd.launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE, PreemptionWatcher
+from spmd.launch.startup import bootstrap, shutdown
 from spmd.launch.walltime import job_end_time
 
 __all__ = ["LaunchEnv", "LaunchError", "resolve_launch_env", "bootstrap", "PreemptionWatcher",

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from spmd.comm.kvstore import kv_client
 from spmd.launch import mpi
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
-from spmd.launch.kvstore import kv_client
 
 PREEMPTED_EXIT_CODE = 75
 # The halt file in run.dir: present -> all ranks stop at the next step (job scripts write it).
@@ -74,7 +74,7 @@ class PreemptionWatcher:
     def install(cls, signals: Iterable[int] = DEFAULT_SIGNALS, halt_file: Path | None = None,
                 *, timeout_s: float = 300.0, env: LaunchEnv | None = None) -> PreemptionWatcher:
         """Watch `signals` and `halt_file` on this rank (uses the last bootstrap's env)."""
-        from spmd.launch.bootstrap import current
+        from spmd.launch.startup import current
 
         boot = current()
         comm = boot[1] if boot and env is None else None

@@ -17,29 +17,21 @@ below load lazily: `import spmd.launch` on a login node pulls in neither JAX nor
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Any
 
 __version__ = "0.1.0"
 
-# A source checkout keeps sharding/, launch/, models/ and jobscripts/ beside spmd/; an install
-# maps them under spmd (pyproject's package-dir). Pointing this package's path at the checkout
-# root too makes an uninstalled checkout, or a second git worktree, import its own copies.
-_ROOT = Path(__file__).resolve().parent.parent
-if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "sharding" / "__init__.py").is_file():
-    __path__.append(str(_ROOT))  # noqa: F821 (a package's __path__)
-
 _PUBLIC = {
     "Task": "spmd.tasks.base",
-    "FieldTask": "spmd.tasks.fields",
+    "FieldTask": "spmd.tasks.field_task",
     "BatchField": "spmd.data.batch",
     "DataSource": "spmd.data.batch",
-    "ModelConfig": "spmd.config",
-    "Config": "spmd.config",
-    "load_config": "spmd.config",
-    "Trainer": "spmd.trainer",
-    "StepInfo": "spmd.hooks",
-    "TrainState": "spmd.state",
+    "ModelConfig": "spmd.config.schema",
+    "Config": "spmd.config.schema",
+    "load_config": "spmd.config.load",
+    "Trainer": "spmd.train.trainer",
+    "StepInfo": "spmd.train.hooks",
+    "TrainState": "spmd.engine.state",
     "train": "spmd.api",
 }
 

@@ -10,16 +10,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from spmd.config import Config, config_from_dict, load_config, with_overrides
-from spmd.hooks import Hook
+from spmd.config.load import config_from_dict, load_config, task_class, with_overrides
+from spmd.config.schema import Config
 from spmd.tasks import Task
+from spmd.train.hooks import Hook
 
 
 def as_config(config: Config | str | Path | dict | None, overrides: list[str] | None = None,
               task: type[Task] | None = None) -> Config:
     """A validated Config from a path, a dict, a Config or None (defaults), plus overrides."""
     if isinstance(config, Config):
-        if not overrides and (task is None or config.task_class() is task):
+        if not overrides and (task is None or task_class(config) is task):
             return config
         config = config.model_dump(mode="json", by_alias=True)
     if isinstance(config, dict):
@@ -37,7 +38,7 @@ def train(config: Config | str | Path | dict | None = None, task: type[Task] | T
     `hooks` are `Hook`s or `(fn, every)` pairs, called as `Trainer.add_hook` calls them.
     Under srun/mpiexec every rank calls this; alone it runs as one process.
     """
-    from spmd.trainer import Trainer
+    from spmd.train.trainer import Trainer
 
     instance = task if isinstance(task, Task) else None
     task_cls = type(task) if instance is not None else task

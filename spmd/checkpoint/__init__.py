@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from spmd.checkpoint.api import Checkpointer, CheckpointError, NullCheckpointer, Restored
-from spmd.config import Config
+from spmd.checkpoint.interface import Checkpointer, CheckpointError, NullCheckpointer, Restored
+from spmd.config.schema import Config
 from spmd.launch import LaunchEnv
-from spmd.metrics import EventLog
+from spmd.rundir.metrics import EventLog
 
 
 def make_checkpointer(cfg: Config, env: LaunchEnv, events: EventLog) -> Checkpointer:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from spmd.checkpoint.api import CheckpointError
+from spmd.checkpoint.interface import CheckpointError
 
 READ_CHUNK = 16 << 20
 MMAP_MIN = 1 << 20

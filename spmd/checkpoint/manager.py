@@ -21,8 +21,7 @@ from typing import Any
 
 import jax
 
-from spmd.checkpoint.api import CheckpointError, Restored
-from spmd.checkpoint.coord import CheckpointTimeout, Coordinator
+from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.local import LocalTier, partner_map
 from spmd.checkpoint.persistent import PersistentTier, persistent_error
@@ -31,6 +30,7 @@ from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
 from spmd.checkpoint.snapshot import Snapshot, Snapshotter
 from spmd.checkpoint.transport import Transport
+from spmd.comm.agreement import CheckpointTimeout, Coordinator
 
 log = logging.getLogger("spmd.checkpoint")
 

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spmd.checkpoint.api import CheckpointError
-from spmd.checkpoint.coord import Coordinator
 from spmd.checkpoint.files import (
     ChecksumError,
     crc32_file,
@@ -29,7 +27,9 @@ from spmd.checkpoint.files import (
     read_json,
     write_json_atomic,
 )
+from spmd.checkpoint.interface import CheckpointError
 from spmd.checkpoint.layout import parallel_map
+from spmd.comm.agreement import Coordinator
 
 log = logging.getLogger("spmd.checkpoint")
 

@@ -19,12 +19,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd.checkpoint.api import CheckpointError, Restored
-from spmd.checkpoint.coord import Coordinator
+from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import PieceId, SaveLayout, assemble
 from spmd.checkpoint.local import LocalCopy, LocalTier
 from spmd.checkpoint.persistent import PersistentTier
 from spmd.checkpoint.transport import CollectSink, Incoming, Outgoing, Transport
+from spmd.comm.agreement import Coordinator
 
 log = logging.getLogger("spmd.checkpoint")
 

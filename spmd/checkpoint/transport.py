@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from spmd.checkpoint.api import CheckpointError
-from spmd.checkpoint.coord import CheckpointTimeout, ranks_text
+from spmd.checkpoint.interface import CheckpointError
+from spmd.comm.agreement import CheckpointTimeout, ranks_text
 
 CHUNK = 32 << 20      # bytes per message
 WINDOW = 4            # messages in flight per peer and direction

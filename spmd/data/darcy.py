@@ -20,7 +20,7 @@ import scipy.fft
 import scipy.sparse
 import scipy.sparse.linalg
 
-from spmd.data.fields import FieldsInfo, solver_attrs, write_fields
+from spmd.data.field_files import FieldsInfo, solver_attrs, write_fields
 from spmd.errors import SpmdError
 
 SOLVER_NAME = "fd5-harmonic-superlu"

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 from pydantic import BaseModel
 
-from spmd.config import Config, ModelConfig
+from spmd.config.schema import Config, ModelConfig
 from spmd.data.batch import BatchField, DataSource
 
 

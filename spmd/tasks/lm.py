@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, model_validator
 
-from spmd.config import ModelConfig
+from spmd.config.schema import ModelConfig
 from spmd.data.batch import BatchField
 from spmd.data.synthetic import ArithmeticTokens
 from spmd.errors import ConfigError

@@ -14,9 +14,13 @@ import sys
 from importlib import metadata
 
 from spmd.errors import ConfigError
+from spmd.tasks.base import Task
 
 ENTRY_POINT_GROUP = "spmd.tasks"
 DEFAULT_TASK = "transformer"
+# Built-in task modules that moved: a config.yaml written by an earlier run still resolves.
+MOVED_MODULES = {"spmd.tasks.operator": "spmd.tasks.neural_operator",
+                 "spmd.tasks.fields": "spmd.tasks.field_task"}
 
 
 def registered_tasks() -> dict[str, str]:
@@ -32,14 +36,13 @@ def _ensure_cwd_importable() -> None:
 
 def import_task(path: str, key: str = "task"):
     """The `spmd.Task` subclass at `module:Class` (or `module.Class`)."""
-    from spmd.tasks.base import Task
-
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"{key}: '{path}' is not of the form module:Class "
                           f"(e.g. my_project.tasks:HeatTask)")
+    module_name = MOVED_MODULES.get(module_name, module_name)
     _ensure_cwd_importable()
     try:
         module = importlib.import_module(module_name)

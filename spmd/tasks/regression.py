@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 from pydantic import Field
 
-from spmd.config import ModelConfig
+from spmd.config.schema import ModelConfig
 from spmd.data.batch import BatchField
 from spmd.data.synthetic import TeacherRegression
 from spmd.models.mlp import Mlp

@@ -1,0 +1,96 @@
+"""`spmd jobscript CONFIG --system S --nodes N --time T [...] [key=value ...]`.
+
+Renders a batch script for a system profile to stdout (or --output), or submits it (--submit),
+or submits a chain of K jobs each waiting for the previous one (--chain K). The config is
+validated first, so a bad config fails here and not in the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _count(option: str, minimum: int = 1):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = option
+    return parse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from spmd.hpc.systems import SYSTEMS
+
+    p = sub.add_parser(
+        "jobscript", help="render (and submit) a batch script for a system profile",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        epilog="systems: " + "; ".join(f"{n} ({s.scheduler}, {s.description})"
+                                       for n, s in SYSTEMS.items()))
+    p.add_argument("config", help="YAML config file (validated now)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, passed on to `spmd train`")
+    p.add_argument("--system", required=True, metavar="S",
+                   help=f"system profile: {', '.join(SYSTEMS)}")
+    p.add_argument("--nodes", required=True, type=_count("--nodes"), metavar="N",
+                   help="nodes to ask for")
+    p.add_argument("--time", required=True, metavar="T",
+                   help="wall time: MM, H:MM, H:MM:SS or D-H:MM:SS")
+    p.add_argument("--account", "-A", metavar="A", help="project / account / bank to charge")
+    p.add_argument("--queue", "-q", metavar="Q",
+                   help="queue / partition / QOS (default: the profile's, if any)")
+    p.add_argument("--ranks-per-node", "--ntasks-per-node", dest="ranks_per_node",
+                   type=_count("--ranks-per-node"), metavar="R",
+                   help="ranks per node (default: the profile's, one per GPU)")
+    p.add_argument("--gpus-per-node", type=_count("--gpus-per-node", 0), metavar="G",
+                   help="GPUs per node to request (generic 'slurm' profile)")
+    p.add_argument("--job-name", metavar="NAME", help="default: spmd-<run.dir name>")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="export this in the script too (repeatable)")
+    p.add_argument("--signal-before", type=_count("--signal-before"), metavar="SECONDS",
+                   help="warning signal this long before the time limit (default: 10%% of "
+                        "--time, 30 s to 5 min)")
+    p.add_argument("--output", "-o", metavar="PATH",
+                   help="write the script here (default with --submit: <run.dir>/job.<system>.sh)")
+    p.add_argument("--submit", action="store_true", help="submit it and print the job id")
+    p.add_argument("--chain", type=_count("--chain"), metavar="K",
+                   help="submit K jobs, each starting after the previous one ended; prints ids")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spmd.hpc.batch_scripts import make_request, render, submit, submit_chain, write_script
+
+    req = make_request(
+        args.config, system=args.system, nodes=args.nodes, time=args.time,
+        overrides=args.overrides, account=args.account, queue=args.queue,
+        ranks_per_node=args.ranks_per_node, gpus_per_node=args.gpus_per_node,
+        job_name=args.job_name, env=args.env, signal_lead_s=args.signal_before,
+        script_path=args.output)
+    for note in req.notes:
+        print(f"spmd jobscript: note: {note}", file=sys.stderr)
+    if not (args.submit or args.chain or args.output):
+        # The scheduler opens its output file in run.dir before the script runs: make it now,
+        # so that `spmd jobscript ... > job.sh && sbatch job.sh` works.
+        req.run_dir.mkdir(parents=True, exist_ok=True)
+        sys.stdout.write(render(req))
+        return 0
+    path = write_script(req)
+    print(f"spmd jobscript: wrote {path}", file=sys.stderr)
+    if args.chain:
+        ids = submit_chain(req.scheduler, path, args.chain)
+        for i, job_id in enumerate(ids):
+            after = f" (after {ids[i - 1]})" if i else ""
+            print(f"spmd jobscript: submitted job {job_id}{after}", file=sys.stderr)
+            print(job_id)
+    elif args.submit:
+        job_id = submit(req.scheduler, path)
+        print(f"spmd jobscript: submitted job {job_id}", file=sys.stderr)
+        print(job_id)
+    return 0

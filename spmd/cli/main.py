@@ -1,0 +1,57 @@
+"""The `spmd` console script. Each subcommand lives in `spmd.cli.<name>_cmd`.
+
+A subcommand module provides `register(subparsers)` and `run(args) -> int`.
+Errors that a user can fix (SpmdError, ShardingError) print one message and exit
+non-zero; the traceback goes to stderr only with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+
+COMMANDS = ("train", "run", "doctor", "shardings", "jobscript", "ckpt", "plot", "data", "plan")
+
+log = logging.getLogger("spmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spmd", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"spmd.cli.{name}_cmd").register(sub)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from spmd.errors import SpmdError
+    from spmd.launch.errors import LaunchError
+    from spmd.sharding.errors import ShardingError
+
+    return (SpmdError, ShardingError, LaunchError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `key=value` overrides may follow options (`spmd shardings C --json mesh.strategy=tp`).
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    try:
+        code = args.func(args)
+    except _user_errors() as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"spmd {args.command}: error: {e}", file=sys.stderr)
+        code = getattr(e, "exit_code", 2)
+    except KeyboardInterrupt:
+        code = 130
+    return int(code or 0)
+

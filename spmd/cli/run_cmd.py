@@ -1,0 +1,171 @@
+"""`spmd run -n N CONFIG [key=value ...] [--ppn P]`: a local multi-process job through MPI.
+
+Starts N ranks of `spmd train CONFIG ...` with the installed MPI's mpiexec (the mpich wheel's
+from `pip install 'spmd-hpc[local]'`, next to this Python or on PATH). Every P consecutive
+ranks stand for one node (SPMD_PROCESSES_PER_NODE, default 1), so a single machine exercises
+inter-node mesh factors and partner checkpoints. SIGTERM/SIGINT/SIGUSR1/SIGUSR2 are forwarded
+to mpiexec, which forwards them to the ranks; the exit status is the ranks' (75 = preempted).
+
+Ranks never outlive this process: it exports its pid and start time (SPMD_LAUNCHER_PID,
+SPMD_LAUNCHER_START) and every rank's watchdog (spmd.launch.watchdog) ends the rank within
+about a second once it is gone, even after a SIGKILL; on Linux mpiexec also gets SIGKILL then
+(PR_SET_PDEATHSIG). Before starting anything, a run.dir whose lease a live run holds is
+refused with one line naming the holder (status 2); rank 0 still takes the lease itself.
+
+Each rank runs behind a shim (spmd.launch.rank_shim) that turns a death by signal into exit
+status 128+S, so Hydra's proxy does not SIGKILL the other ranks and they can name the lost one.
+When the ranks fail, the ERROR lines they wrote to run.dir/logs during this job are repeated
+at the end, one per line, after Hydra's own report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spmd.errors import SpmdError
+from spmd.launch import rank_shim
+from spmd.launch.watchdog import launcher_environ
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# Per-rank variables an outer launcher may have left; inherited, they would make every local
+# rank claim the same identity.
+_STALE_PREFIXES = ("SLURM_STEP_", "JSM_NAMESPACE_", "PALS_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_",
+                   "FLUX_TASK_")
+_STALE_NAMES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID", "MPI_LOCALRANKID",
+                "MPI_LOCALNRANKS", "SPMD_RANK", "SPMD_SIZE", "SPMD_LOCAL_RANK",
+                "SPMD_LOCAL_SIZE", "SPMD_NODE_ID", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES",
+                "JAX_COORDINATOR_ADDRESS", "JAX_LOCAL_DEVICE_IDS")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run N local ranks of `spmd train` through the installed MPI")
+    p.add_argument("-n", "--np", dest="n", type=int, required=True, metavar="N",
+                   help="number of ranks")
+    p.add_argument("--ppn", type=int, default=1, metavar="P",
+                   help="ranks that stand for one node (default 1: every rank its own node)")
+    p.add_argument("--entry", default="train", help=argparse.SUPPRESS)  # subcommand per rank
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    p.set_defaults(func=run)
+
+
+def find_mpiexec() -> Path:
+    """mpiexec next to this Python (a venv with the mpich wheel), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return here
+    found = shutil.which("mpiexec")
+    if found:
+        return Path(found)
+    raise SpmdError(f"spmd run needs an mpiexec, and there is none next to {sys.executable} or "
+                    "on PATH: install the embedded MPI with `pip install 'spmd-hpc[local]'` "
+                    "(the mpich wheel), or load your site's MPI module")
+
+
+def flavor_args(mpiexec: Path) -> list[str]:
+    """Options that keep a local job on this machine for the MPI at hand."""
+    try:
+        out = subprocess.run([str(mpiexec), "--version"], capture_output=True, text=True,
+                             timeout=20)
+        version = out.stdout + out.stderr
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SpmdError(f"{mpiexec} --version failed ({e}); is this MPI installed correctly?"
+                        ) from None
+    if "HYDRA" in version:  # MPICH / Intel MPI: fork locally, never via srun or ssh
+        # the ranks' watchdogs end the survivors of a lost rank themselves, naming it
+        return ["-launcher", "fork", "-disable-auto-cleanup"]
+    if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
+        return ["--oversubscribe", "--bind-to", "none"]
+    return []
+
+
+def child_env(ppn: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_STALE_PREFIXES) and k not in _STALE_NAMES}
+    env["SPMD_PROCESSES_PER_NODE"] = str(ppn)
+    env.update(launcher_environ())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def check_lease(config: str, overrides: list[str]) -> Path:
+    """The config's run.dir; refused at once (LeaseHeld, status 2) when a live run holds it."""
+    from spmd.config.load import load_config
+    from spmd.rundir.lease import LEASE_NAME, LeaseHeld, inspect_lease, refusal
+
+    cfg = load_config(config, overrides)
+    state = inspect_lease(cfg.run.dir, cfg.run.lease_stale_s)
+    if state is not None and not state.stale:
+        raise LeaseHeld(refusal(cfg.run.dir / LEASE_NAME, state.holder,
+                                time.time() - state.heartbeat_age_s, cfg.run.lease_stale_s))
+    return Path(cfg.run.dir)
+
+
+def log_sizes(run_dir: Path) -> dict[Path, int]:
+    """Byte size of every rank log now, so that only this job's lines are read later."""
+    return {p: p.stat().st_size for p in (run_dir / "logs").glob("rank*.log")}
+
+
+def error_lines(run_dir: Path, before: dict[Path, int], limit: int = 20) -> list[str]:
+    """The ERROR lines the rank logs gained since `before` (the last `limit` of them)."""
+    found: list[str] = []
+    for path in sorted((run_dir / "logs").glob("rank*.log")):
+        try:
+            with open(path, "rb") as f:
+                f.seek(before.get(path, 0))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        found += [line for line in text.splitlines() if " ERROR " in line]
+    return found[-limit:]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.n < 1:
+        raise SpmdError(f"spmd run: -n {args.n}: need at least one rank")
+    if args.ppn < 1 or args.n % args.ppn:
+        raise SpmdError(f"spmd run: --ppn {args.ppn} does not divide -n {args.n} into equal nodes")
+    mpiexec = find_mpiexec()
+    run_dir = check_lease(args.config, args.overrides) if args.entry == "train" else None
+    before = log_sizes(run_dir) if run_dir is not None else {}
+    # each rank behind a shim: Hydra then sees its exit code, not a death by signal, and
+    # leaves the other ranks alive to name the lost one (see spmd/launch/rank_shim.py)
+    rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
+                *(["--debug"] if args.debug else []), args.entry, args.config, *args.overrides]
+    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec), *rank_cmd]
+    print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
+          flush=True)
+    on_linux = sys.platform == "linux"
+    proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True,
+                            preexec_fn=rank_shim.die_with_parent if on_linux else None)
+
+    def forward(signum: int, frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # a handler raced us; keep waiting for the ranks
+                continue
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code != 0 and run_dir is not None and (errors := error_lines(run_dir, before)):
+        print(f"spmd run: the ranks' errors (from {run_dir / 'logs'}):", file=sys.stderr)
+        for line in errors:
+            print(f"  {line}", file=sys.stderr)
+        sys.stderr.flush()
+    return code if code >= 0 else 128 - code

@@ -1,0 +1,167 @@
+"""Loading a run configuration: YAML + dotted `key=value` overrides, validated once.
+
+Unknown keys are errors that name the closest known key; every other problem names
+the dotted key to fix. The core takes the resulting `Config`, never dicts. The `model:`
+section is validated by the task's own `Config`, so loading resolves the task
+(`spmd.tasks.registry`); the schema itself (`spmd.config.schema`) knows no task.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from spmd.config.schema import Config
+from spmd.errors import ConfigError
+from spmd.tasks.registry import import_task, resolve_task, task_path
+
+
+def task_class(cfg: Config) -> type:
+    """The spmd.Task subclass named by the config's `task` key."""
+    return import_task(cfg.task or "", "task")
+
+
+def build_task(cfg: Config):
+    """A fresh instance of the config's task, bound to this config."""
+    return task_class(cfg)(cfg)
+
+
+
+def _section_class(cls: type[BaseModel], key: str, raw_value: Any) -> type[BaseModel] | None:
+    """The pydantic class for `cls.key` if it is a section (resolving the model union)."""
+    if cls is Config and key == "model":
+        return None  # checked against the task's own Config (config_from_dict)
+    annotation = cls.model_fields[key].annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _known_keys(cls: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in cls.model_fields.items()]
+
+
+def _check_keys(raw: Any, cls: type[BaseModel], prefix: str) -> None:
+    if not isinstance(raw, dict):
+        return
+    known = _known_keys(cls)
+    by_alias = {(f.alias or n): n for n, f in cls.model_fields.items()}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown config key '{dotted}'{hint} (known keys under "
+                f"'{prefix.rstrip('.') or 'top level'}': {', '.join(known)})"
+            )
+        sub = _section_class(cls, by_alias[key], value)
+        if sub is not None:
+            _check_keys(value, sub, dotted + ".")
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """`["train.steps=5", "mesh.rules.mlp=null"]` -> nested dict with YAML-typed values."""
+    out: dict = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{pair}' is not of the form key=value")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{pair}': value does not parse as YAML: {e}") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{pair}' conflicts with an earlier override")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _format_validation(e: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        lines.append(f"{prefix}{loc or 'config'}: {err['msg']}".rstrip("."))
+    return "; ".join(lines)
+
+
+def config_from_dict(raw: dict, source: str = "<config>", task: type | None = None) -> Config:
+    """Validate a raw config; the `model:` section against its task's own `Config` class.
+
+    The task is `task` when given (the Python API), else the config's `task: module:Class`,
+    else the task registered under `model.name` (default: transformer). The resolved config
+    names its task as `module:Class`, so its config.yaml reproduces the run on its own.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source}: top level must be a mapping of sections, got {type(raw).__name__}"
+        )
+    _check_keys(raw, Config, "")
+    model_raw = raw.get("model") or {}
+    if not isinstance(model_raw, dict):
+        raise ConfigError(f"{source}: model: must be a mapping of the task's model keys, "
+                          f"got {type(model_raw).__name__}")
+    if "name" in model_raw and model_raw["name"] is None:  # a dumped Config() without a task
+        model_raw = {k: v for k, v in model_raw.items() if k != "name"}
+    try:
+        cls = task or resolve_task(raw.get("task"), model_raw.get("name"))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    section = getattr(cls, "Config", None)
+    if not (isinstance(section, type) and issubclass(section, BaseModel)):
+        raise ConfigError(f"{source}: task {task_path(cls)}: its class attribute Config must be "
+                          f"a pydantic model (subclass spmd.ModelConfig)")
+    _check_keys(model_raw, section, "model.")
+    try:
+        model = section.model_validate(model_raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_format_validation(e, 'model.')}") from None
+    try:
+        return Config.model_validate({**raw, "task": task_path(cls), "model": model})
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_format_validation(e)}") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None,
+                task: type | None = None) -> Config:
+    """Read YAML at `path` (or defaults when None), apply overrides, validate.
+
+    `task` (a spmd.Task subclass) takes precedence over the config's `task:` key.
+    """
+    raw: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} does not parse as YAML: {e}") from None
+    if overrides:
+        raw = with_overrides(raw if isinstance(raw, dict) else {}, overrides)
+    return config_from_dict(raw, source, task)
+
+
+def with_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`raw` with dotted `key=value` overrides merged in (a new dict)."""
+    return _merge(raw, parse_overrides(overrides))

@@ -1,0 +1,121 @@
+"""The run configuration's schema: one frozen pydantic section per component, and `Config`.
+
+A leaf: it imports nothing of spmd but `spmd.errors`, so every layer may type against it.
+Each component takes its own section (`CheckpointConfig`, `TrainConfig`, ...), never the
+whole `Config`. Reading YAML, overrides and resolving the task live in `spmd.config.load`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(_Section):
+    dir: Path = Path("runs/default")
+    log_every: int = Field(1, ge=1)
+    progress: bool = True
+    plots: bool = True        # rank 0 writes run.dir/plots/*.png when training ends
+    # A run.dir lease held from another host without a heartbeat this long is taken over.
+    lease_stale_s: float = Field(300.0, gt=0)
+    # JAX's persistent compilation cache: a requeued or resumed job loads its compiled
+    # steps from here instead of compiling again (null: off, or JAX_COMPILATION_CACHE_DIR).
+    compilation_cache: Path | None = None
+
+
+class ModelConfig(BaseModel):
+    """Base of a task's `model:` section (its class attribute `Task.Config`): strict, frozen.
+
+    `name` is optional for a task named by `task: module:Class`; a registered task's name
+    (e.g. `fno`) selects it when `task:` is absent.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = None
+
+
+class MeshConfig(_Section):
+    strategy: Literal["dp", "fsdp", "tp", "fsdp_tp", "sp", "pp", "pp_fsdp", "spatial"] = "dp"
+    # Sizes per mesh axis; one -1 absorbs the rest. Missing axes take the preset's value or 1.
+    axes: dict[str, int] = Field(default_factory=dict)
+    # Single-entry overrides of the preset's rule table: logical -> axis | [axes] | null.
+    rules: dict[str, str | list[str] | None] = Field(default_factory=dict)
+    max_replicated_fraction: float | None = Field(None, ge=0.0, le=1.0)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(10, ge=0)
+    batch_size: int = Field(8, ge=1)
+    seed: int = 0
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    eval_every: int = Field(0, ge=0)
+    donate: bool = True
+    # Pipelined strategies (layers on stage): microbatches per step and their schedule;
+    # repeats > 1 is a circular gpipe (stage k runs layer chunks k, k + S, ...).
+    microbatches: int = Field(1, ge=1)
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    pipeline_repeats: int = Field(1, ge=1)
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "hdf5", "npy"] = "synthetic"
+    path: Path | None = None          # hdf5: dataset file (made by `spmd data make` if missing)
+    # batch field -> dataset path in data.path ("{split}" stands for train / test); fields
+    # not named here take the task's default path (spmd.data.ArraySource)
+    fields: dict[str, str] = Field(default_factory=dict)
+    num_train: int = Field(1000, ge=1)
+    num_test: int = Field(100, ge=1)
+    eval_batches: int = Field(2, ge=1)
+    seed: int = Field(0, ge=0)        # generator seed of a dataset made by `spmd data make`
+    solver: dict[str, Any] = Field(default_factory=dict)
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0)            # steps between node-local saves (0 = never)
+    persistent_every: int = Field(0, ge=0)  # steps between persistent-tier saves (0 = never)
+    local_dir: Path | None = None           # node-local tier; None = <run.dir>/local
+    persistent_dir: Path | None = None      # None = <run.dir>/checkpoints
+    keep: int = Field(2, ge=1)
+    partner: bool | None = None             # None = on when there is more than one node
+    async_: bool = Field(True, alias="async")
+    timeout_s: float = Field(600.0, gt=0)
+    compress: bool = False                  # zstd in the persistent tier (Orbax's default: on)
+    # What a save blocks for: auto | alias (CPU: zero-copy views, as Orbax) | host (D2H into
+    # reused host buffers) | pinned (D2H into pinned host memory) | device (on-device copy,
+    # D2H in the background). See spmd/checkpoint/snapshot.py.
+    snapshot: Literal["auto", "alias", "host", "pinned", "device"] = "auto"
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class LaunchConfig(_Section):
+    init_timeout_s: float = Field(300.0, gt=0)
+    heartbeat_timeout_s: float = Field(100.0, gt=0)
+    barrier_timeout_s: float = Field(300.0, gt=0)
+    # Stop (and save) this many seconds before the allocation's known end time.
+    walltime_margin_s: float = Field(300.0, ge=0)
+
+
+class Config(_Section):
+    task: str | None = None       # module:Class of a spmd.Task (resolved from model.name if unset)
+    run: RunConfig = RunConfig()
+    model: SerializeAsAny[BaseModel] = ModelConfig()  # validated by the task's own Config
+    mesh: MeshConfig = MeshConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)

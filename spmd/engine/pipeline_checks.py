@@ -1,0 +1,134 @@
+"""Config checks for pipelined strategies, in the words of the config keys to change.
+
+A pipeline is on when the rule table shards `layers` over mesh axes of total size S > 1
+(presets `pp`, `pp_fsdp`). `check_pipeline` runs before anything is compiled and either
+returns the `PipelineSchedule` the steps bind, or raises a one-line ConfigError:
+- the model has no parameters with a `layers` axis (unstacked blocks, or a model with no
+  layer stack such as the mlp or fno tasks);
+- the stacked layer count is not divisible by S x R (`model.num_layers`, `mesh.axes.stage`,
+  `train.pipeline_repeats`);
+- `train.batch_size` is not divisible by `train.microbatches` x the data-parallel ways;
+- `train.pipeline_repeats` > 1 with `1f1b`, or with `train.microbatches` not a multiple of S
+  (the circular schedule sends microbatches round in groups of S);
+- `train.microbatches` or `train.pipeline_repeats` > 1 without a pipeline (it would silently
+  do nothing).
+"""
+
+from __future__ import annotations
+
+import math
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from spmd.config.schema import Config
+from spmd.errors import ConfigError
+from spmd.sharding import ACTIVATION_PREFIX, LOGICAL_AXES_KEY, RuleTable, ShardingReport
+from spmd.sharding.pipeline import (
+    LAYERS,
+    PipelineSchedule,
+    bubble_fraction,
+    stage_axes,
+)
+from spmd.tasks.base import Task
+
+
+def _stacked_layers(task: Task, seed: int) -> int | None:
+    """Size of the `layers` dimension of the model's stacked parameters (None: no stack)."""
+    abstract = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(seed)))
+    for _, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        axes = variable.get_metadata().get(LOGICAL_AXES_KEY) or ()
+        if LAYERS in axes:
+            return variable.get_value().shape[list(axes).index(LAYERS)]
+    return None
+
+
+def _data_ways(rules: RuleTable, shape: dict[str, int]) -> tuple[int, str]:
+    axes = rules.lookup(ACTIVATION_PREFIX + "batch") or rules.lookup("batch") or ()
+    active = [a for a in axes if shape[a] > 1]
+    return math.prod(shape[a] for a in active), " x ".join(f"{a}={shape[a]}" for a in active)
+
+
+def check_pipeline(cfg: Config, task: Task, rules: RuleTable,
+                   mesh: Mesh) -> PipelineSchedule | None:
+    """The schedule to bind when `layers` is split into stages, else None; ConfigError if bad."""
+    shape = dict(mesh.shape)
+    axes = stage_axes(rules, shape)
+    t = cfg.train
+    if not axes:
+        for key, value in (("microbatches", t.microbatches),
+                           ("pipeline_repeats", t.pipeline_repeats)):
+            if value > 1:
+                raise ConfigError(
+                    f"train.{key}={value} needs pipeline stages, but "
+                    f"mesh.strategy={cfg.mesh.strategy} does not split 'layers' over a mesh "
+                    f"axis larger than 1; use mesh.strategy=pp (mesh.axes.stage > 1) or "
+                    f"train.{key}=1")
+        return None
+    stages = math.prod(shape[a] for a in axes)
+    where = ", ".join(f"mesh.axes.{a}={shape[a]}" for a in axes)
+    layers = _stacked_layers(task, t.seed)
+    if layers is None:
+        hint = ("set model.scan_layers=true" if "scan_layers" in type(cfg.model).model_fields
+                else "this task's model has no stack of identical layers")
+        raise ConfigError(
+            f"mesh.strategy={cfg.mesh.strategy} splits stacked layers into {stages} pipeline "
+            f"stages ({where}), but the model has no parameters with a 'layers' axis; {hint}, "
+            f"or use a strategy without stages (e.g. mesh.strategy=dp)")
+    repeats = t.pipeline_repeats
+    if layers % (stages * repeats):
+        key = ("model.num_layers" if "num_layers" in type(cfg.model).model_fields
+               else "the stacked layer count")
+        times = f" x train.pipeline_repeats={repeats}" if repeats > 1 else ""
+        raise ConfigError(
+            f"{key}={layers} is not divisible by the {stages} pipeline stages ({where})"
+            f"{times}; change {key} or mesh.axes.stage"
+            f"{' or train.pipeline_repeats' if repeats > 1 else ''}")
+    if repeats > 1 and t.pipeline_schedule != "gpipe":
+        raise ConfigError(
+            f"train.pipeline_repeats={repeats} (circular pipeline) runs with "
+            f"train.pipeline_schedule=gpipe only, not {t.pipeline_schedule}; set one of them "
+            f"back")
+    if repeats > 1 and t.microbatches % stages:
+        raise ConfigError(
+            f"train.pipeline_repeats={repeats} sends microbatches round the {stages} stages "
+            f"({where}) in groups of {stages}: make train.microbatches={t.microbatches} a "
+            f"multiple of {stages}")
+    ways, data_axes = _data_ways(rules, shape)
+    if t.batch_size % (t.microbatches * ways):
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.microbatches="
+            f"{t.microbatches} x {ways} data-parallel ways ({data_axes or 'none'}); "
+            f"change train.batch_size or train.microbatches")
+    return PipelineSchedule(t.microbatches, t.pipeline_schedule, repeats)
+
+
+def stage_summary(report: ShardingReport, rules: RuleTable, mesh: Mesh,
+                  schedule: PipelineSchedule | None) -> dict | None:
+    """Per-stage figures for `spmd shardings` and `spmd plan` (None without a pipeline).
+
+    `bubble_fraction` is (S - 1) / (R M + S - 1), the idle fraction of both schedules.
+    `stacked_bytes_per_device` is what one device holds of the parameters with a `layers`
+    axis; `stacked_bytes_unstaged_per_device` the same with the stage axes dropped from
+    their specs (what the strategy without stages would hold): about `stages` times more.
+    """
+    shape = dict(mesh.shape)
+    axes = stage_axes(rules, shape)
+    if not axes or schedule is None:
+        return None
+    stages = math.prod(shape[a] for a in axes)
+    stacked = [p for p in report.params if LAYERS in p.logical_axes]
+    unstaged_shape = {a: (1 if a in axes else s) for a, s in shape.items()}
+    layers = stacked[0].shape[list(stacked[0].logical_axes).index(LAYERS)] if stacked else 0
+    return {
+        "stages": stages,
+        "stage_axes": list(axes),
+        "microbatches": schedule.microbatches,
+        "schedule": schedule.schedule,
+        "repeats": schedule.repeats,
+        "bubble_fraction": bubble_fraction(stages, schedule.microbatches, schedule.repeats),
+        "layers_per_stage": layers // stages,      # in R chunks of layers / (S R)
+        "stacked_bytes_per_device": sum(p.bytes_per_device(shape) for p in stacked),
+        "stacked_bytes_unstaged_per_device": sum(p.bytes_per_device(unstaged_shape)
+                                                 for p in stacked),
+    }

@@ -1,0 +1,83 @@
+"""Everything compiled for one config on one mesh: layouts, feed, jitted init/train/eval."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from spmd.config.load import build_task
+from spmd.config.schema import Config
+from spmd.data.feed import BatchFeed
+from spmd.engine.pipeline_checks import check_pipeline
+from spmd.engine.state import (
+    ModelLayout,
+    StateLayout,
+    init_state_fn,
+    make_optimizer,
+    model_layout,
+    state_layout,
+)
+from spmd.engine.step import make_eval_step, make_sample_step, make_train_step
+from spmd.sharding import RuleTable, rules_for
+from spmd.sharding.pipeline import PipelineSchedule
+from spmd.tasks import Task
+
+
+@dataclass
+class Runtime:
+    cfg: Config
+    task: Task
+    mesh: Mesh
+    rules: RuleTable
+    tx: optax.GradientTransformation
+    model: ModelLayout
+    state: StateLayout
+    feed: BatchFeed
+    init: Callable
+    train_step: Callable
+    eval_step: Callable | None
+    sample_step: Callable | None
+    pipeline: PipelineSchedule | None = None   # bound when the rules split layers into stages
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """ShapeDtypeStructs of one global batch, carrying the feed's shardings."""
+        return {name: jax.ShapeDtypeStruct(f.global_shape(self.cfg.train.batch_size), f.dtype,
+                                           sharding=self.feed.shardings[name])
+                for name, f in self.feed.fields.items()}
+
+    def compile_train_step(self) -> tuple[Callable, float]:
+        """Lower and compile the train step on abstract inputs: (executable, seconds).
+
+        Ahead of time, so a first step's time is a step's, and `spmd plan` reads the same
+        executable that training runs.
+        """
+        start = time.perf_counter()
+        compiled = self.train_step.lower(self.state.abstract, self.abstract_batch()).compile()
+        return compiled, time.perf_counter() - start
+
+
+def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
+    """Resolve every sharding (failing early with precise errors) and build the jitted steps."""
+    task = task or build_task(cfg)
+    rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
+    tx = make_optimizer(cfg)
+    schedule = check_pipeline(cfg, task, rules, mesh)
+    model = model_layout(task, cfg.train.seed, rules, mesh)
+    model.report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
+    state = state_layout(model, tx, rules, mesh)
+    feed = BatchFeed(task.batch_fields(), cfg.train.batch_size, mesh, rules)
+    train_step = make_train_step(task, model, state, tx, feed.shardings, mesh, rules,
+                                 donate=cfg.train.donate, schedule=schedule)
+    eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules, schedule)
+                 if task.eval_source() is not None else None)
+    has_samples = type(task).sample_outputs is not Task.sample_outputs
+    sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules, schedule)
+                   if eval_step is not None and has_samples else None)
+    return Runtime(cfg, task, mesh, rules, tx, model, state, feed,
+                   init_state_fn(task, cfg, tx, state), train_step, eval_step, sample_step,
+                   schedule)

@@ -1,0 +1,385 @@
+"""Batch scripts for a system profile: render (Jinja2 templates in jobscripts/), submit, chain.
+
+A rendered script asks for nodes and wall time, exports the profile's environment, runs
+`spmd train CONFIG overrides...` on every rank under the system's launcher, forwards the
+scheduler's warning signal to the ranks and requeues the job when they exit with status 75
+(preempted, checkpoint saved). See the header of any rendered script for the protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spmd import jobscripts
+from spmd.errors import SpmdError
+from spmd.hpc.systems import Scheduler, SystemProfile, system_profile
+from spmd.launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE
+
+FORWARD_SIGNAL = "USR2"    # what the batch shell sends the ranks (NCCL may own SIGUSR1)
+TEMPLATE_DIR = Path(jobscripts.__file__).resolve().parent
+
+SUBMIT_TOOLS: dict[str, str] = {"slurm": "sbatch", "lsf": "bsub", "pbs": "qsub", "flux": "flux"}
+DIRECTIVE_PREFIX: dict[str, str] = {"slurm": "#SBATCH", "lsf": "#BSUB", "pbs": "#PBS",
+                                    "flux": "#flux:"}
+# Signals the batch shell traps. "requeue": out of time or preempted -> save, then requeue.
+# "stop": cancelled by the user (scancel, bkill, flux cancel) -> save, do not requeue. PBS sends
+# SIGTERM for both qdel and preemption and no warning before the walltime: it counts as requeue.
+TRAPPED_SIGNALS: dict[str, dict[str, str]] = {
+    "slurm": {"USR1": "requeue", "USR2": "requeue", "TERM": "stop", "INT": "stop"},
+    "lsf": {"USR1": "requeue", "USR2": "requeue", "TERM": "stop", "INT": "stop"},
+    "pbs": {"USR1": "requeue", "USR2": "requeue", "TERM": "requeue", "INT": "stop"},
+    "flux": {"USR1": "requeue", "USR2": "requeue", "TERM": "stop", "INT": "stop"},
+}
+_TIME_RE = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?$")
+
+
+# ---------------------------------------------------------------- wall time
+
+
+def parse_walltime(text: str) -> int:
+    """Seconds in `MM`, `H:MM`, `H:MM:SS` or `D-H:MM:SS` (the --time option)."""
+    m = _TIME_RE.match(str(text).strip())
+    bad = SpmdError(f"--time '{text}' is not a wall time: use MM (minutes), H:MM, H:MM:SS or "
+                    "D-H:MM:SS, e.g. --time 30 or --time 2:00 or --time 01:30:00")
+    if not m:
+        raise bad
+    d, a, b, c = (int(g) if g is not None else None for g in m.group("d", "a", "b", "c"))
+    if b is None:          # MM (or D-H)
+        seconds = a * 3600 if d is not None else a * 60
+    elif c is None:        # H:MM
+        if b >= 60:
+            raise bad
+        seconds = a * 3600 + b * 60
+    else:                  # H:MM:SS
+        if b >= 60 or c >= 60:
+            raise bad
+        seconds = a * 3600 + b * 60 + c
+    seconds += (d or 0) * 86400
+    if seconds <= 0:
+        raise SpmdError(f"--time '{text}' must be longer than zero")
+    return seconds
+
+
+def format_walltime(seconds: int, scheduler: Scheduler) -> str:
+    """The wall time as the scheduler wants it (LSF: H:MM, rounded up to a minute)."""
+    if scheduler == "lsf":
+        minutes = math.ceil(seconds / 60)
+        return f"{minutes // 60}:{minutes % 60:02d}"
+    if scheduler == "flux":
+        return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
+    h, rest = divmod(seconds, 3600)
+    if scheduler == "slurm" and h >= 24:
+        return f"{h // 24}-{h % 24:02d}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def default_signal_lead(walltime_s: int) -> int:
+    """Seconds of warning before the time limit: 10% of it, 30 s .. 5 min, at most half."""
+    return max(1, min(300, max(30, walltime_s // 10), walltime_s // 2))
+
+
+# ---------------------------------------------------------------- the request
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """Everything a batch script is rendered from; build it with `make_request`."""
+
+    system: SystemProfile
+    config: Path
+    overrides: tuple[str, ...]
+    run_dir: Path
+    nodes: int
+    walltime_s: int
+    ranks_per_node: int
+    gpus_per_node: int
+    job_name: str
+    signal_lead_s: int
+    workdir: Path
+    python: str = sys.executable
+    account: str | None = None
+    queue: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    script_path: Path | None = None
+    command: tuple[str, ...] = ()  # each rank's command; () = `python -m spmd.cli train ...`
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.system.scheduler
+
+    def default_script_path(self) -> Path:
+        return self.run_dir / f"job.{self.system.name}.sh"
+
+
+def _positive(value: int | None, option: str) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise SpmdError(f"{option} must be a positive integer, got {value!r}")
+
+
+def _check_directive_text(value: str, what: str) -> None:
+    if not value or any(ch.isspace() for ch in value) or any(ch in value for ch in "\"'`$\\"):
+        raise SpmdError(f"{what} '{value}' cannot go into a batch directive: use no whitespace, "
+                        "quotes, '$' or backslashes")
+
+
+def make_request(config: str | Path, *, system: str, nodes: int, time: str,
+                 overrides: Sequence[str] = (), account: str | None = None,
+                 queue: str | None = None, ranks_per_node: int | None = None,
+                 gpus_per_node: int | None = None, job_name: str | None = None,
+                 env: Sequence[str] | Mapping[str, str] = (), signal_lead_s: int | None = None,
+                 script_path: str | Path | None = None,
+                 workdir: str | Path | None = None) -> JobRequest:
+    """Validate the options and the config (so a bad config fails before it is queued)."""
+    from spmd.config.load import load_config
+
+    profile = system_profile(system)
+    _positive(nodes, "--nodes")
+    _positive(ranks_per_node, "--ranks-per-node")
+    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 0):
+        raise SpmdError(f"--gpus-per-node must be 0 or more, got {gpus_per_node!r}")
+    walltime_s = parse_walltime(time)
+    workdir = Path(workdir or Path.cwd()).resolve()
+    config_path = Path(config)
+    config_path = (config_path if config_path.is_absolute() else workdir / config_path).resolve()
+    cfg = load_config(config_path, list(overrides))
+    run_dir = Path(cfg.run.dir)
+    run_dir = run_dir if run_dir.is_absolute() else workdir / run_dir
+    _check_directive_text(str(run_dir), "run.dir")
+
+    gpus = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
+    rpn = ranks_per_node or (gpus if gpus_per_node is not None and gpus else
+                             profile.ranks_per_node)
+    if profile.gpus_per_node and rpn > profile.gpus_per_node and profile.name != "slurm":
+        raise SpmdError(f"--ranks-per-node {rpn} is more than the {profile.gpus_per_node} GPUs "
+                        f"per node of '{profile.name}' (one rank per GPU)")
+    if signal_lead_s is None:
+        lead = default_signal_lead(walltime_s)
+    else:
+        lead = signal_lead_s
+        if not isinstance(lead, int) or not 0 < lead < walltime_s:
+            raise SpmdError(f"--signal-before must be between 1 and the wall time "
+                            f"({walltime_s} s) in seconds, got {signal_lead_s!r}")
+
+    overrides = tuple(overrides)
+    notes: list[str] = []
+    margin = getattr(getattr(cfg, "launch", None), "walltime_margin_s", None)
+    if margin is not None and margin >= walltime_s / 2 and not any(
+            o.startswith("launch.walltime_margin_s=") for o in overrides):
+        # The trainer stops `margin` seconds before the allocation ends; with a short job
+        # that would be at once. Stop when the scheduler's warning would come instead.
+        overrides += (f"launch.walltime_margin_s={lead}",)
+        notes.append(f"launch.walltime_margin_s={margin:g} s is at least half of --time; "
+                     f"the script passes launch.walltime_margin_s={lead}")
+
+    account = account or None
+    queue = queue or profile.default_queue
+    for value, what in ((account, "--account"), (queue, "--queue")):
+        if value is not None:
+            _check_directive_text(value, what)
+    if profile.requires_account and not account:
+        notes.append(f"'{profile.name}' charges jobs to a project: pass --account "
+                     "(the scheduler will likely reject the job without it)")
+    name = job_name or f"spmd-{run_dir.name}"
+    _check_directive_text(name, "--job-name")
+
+    pairs = env.items() if isinstance(env, Mapping) else [_split_env(e) for e in env]
+    env_pairs = tuple((str(k), str(v)) for k, v in pairs)
+    return JobRequest(
+        system=profile, config=config_path, overrides=overrides, run_dir=run_dir, nodes=nodes,
+        walltime_s=walltime_s, ranks_per_node=rpn, gpus_per_node=gpus, job_name=name,
+        signal_lead_s=lead, workdir=workdir, account=account, queue=queue, env=env_pairs,
+        script_path=Path(script_path).resolve() if script_path else None, notes=tuple(notes))
+
+
+def _split_env(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise SpmdError(f"--env '{item}' is not of the form NAME=value")
+    return key, value
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _environment():
+    import jinja2
+
+    if not TEMPLATE_DIR.is_dir():
+        raise SpmdError(f"job-script templates not found at {TEMPLATE_DIR} (the jobscripts/ "
+                        "folder of the spmd source tree); reinstall spmd from its source tree")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    return env
+
+
+def _fields(req: JobRequest) -> dict[str, object]:
+    return {"nodes": req.nodes, "ranks": req.ranks, "ranks_per_node": req.ranks_per_node,
+            "cpus_per_task": req.system.cpus_per_task or 1, "gpus_per_node": req.gpus_per_node,
+            "mpi": req.system.mpi or "", "bind": '"$SPMD_BIND"' if req.system.bind_wrapper else ""}
+
+
+def command_line(req: JobRequest) -> str:
+    """The `spmd jobscript` command that renders this script again."""
+    parts = ["spmd", "jobscript", str(req.config), "--system", req.system.name, "--nodes",
+             str(req.nodes), "--time", format_walltime(req.walltime_s, "pbs"),
+             "--ranks-per-node", str(req.ranks_per_node)]
+    if req.gpus_per_node != req.system.gpus_per_node:
+        parts += ["--gpus-per-node", str(req.gpus_per_node)]
+    for opt, value in (("--account", req.account), ("--queue", req.queue)):
+        if value:
+            parts += [opt, value]
+    for k, v in req.env:
+        parts += ["--env", f"{k}={v}"]
+    return shlex.join(parts + list(req.overrides))
+
+
+def render(req: JobRequest) -> str:
+    """The batch script for `req` as text."""
+    p = req.system
+    fields = _fields(req)
+    directives = [d.format(**fields) for d in p.directives]
+    if p.name == "slurm" and req.gpus_per_node:
+        directives.append(f"--gpus-per-node={req.gpus_per_node}")
+    launcher = p.launcher.format(**fields).strip()
+    train = list(req.command) or [req.python, "-m", "spmd.cli", "train", str(req.config),
+                                  *req.overrides]
+    ctx = {
+        "req": req, "system": p, "scheduler": p.scheduler,
+        "prefix": DIRECTIVE_PREFIX[p.scheduler],
+        "nodes": req.nodes, "ranks": req.ranks, "ranks_per_node": req.ranks_per_node,
+        "cpus_per_task": p.cpus_per_task, "gpus_per_node": req.gpus_per_node,
+        "walltime": format_walltime(req.walltime_s, p.scheduler),
+        "walltime_hms": format_walltime(req.walltime_s, "pbs"), "walltime_s": req.walltime_s,
+        "lead_s": req.signal_lead_s, "lead_min": max(1, math.ceil(req.signal_lead_s / 60)),
+        "account": p.account_option.format(req.account) if req.account else None,
+        "queue": p.queue_option.format(req.queue) if req.queue else None,
+        "job_name": req.job_name, "run_dir": str(req.run_dir), "workdir": str(req.workdir),
+        "directives": directives,
+        "xla_flags": " ".join(p.xla_flags),
+        "env": list(p.env.items()) + list(req.env),
+        "launcher": launcher, "train_command": " ".join(shlex.quote(a) for a in train),
+        "bind_wrapper": (p.bind_wrapper.replace("{gpus_per_node}", str(req.gpus_per_node))
+                         if p.bind_wrapper else None),
+        "halt_file": HALT_FILE_NAME, "preempted_exit": PREEMPTED_EXIT_CODE,
+        "forward_signal": FORWARD_SIGNAL, "traps": TRAPPED_SIGNALS[p.scheduler],
+        "script_path": str(req.script_path) if req.script_path else "",
+        "command_line": command_line(req),
+    }
+    text = _environment().get_template(f"{p.scheduler}.sh.j2").render(**ctx)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def write_script(req: JobRequest, path: Path | None = None) -> Path:
+    """Render into `path` (default `<run.dir>/job.<system>.sh`), executable; makes run.dir."""
+    path = Path(path or req.script_path or req.default_script_path()).resolve()
+    if req.script_path != path:
+        req = dataclasses.replace(req, script_path=path)
+    text = render(req)
+    req.run_dir.mkdir(parents=True, exist_ok=True)  # the scheduler writes its output file here
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+# ---------------------------------------------------------------- submitting
+
+
+def submit_argv(scheduler: Scheduler, script: Path, depends_on: str | None = None,
+                chain_next: bool = False) -> tuple[list[str], Path | None]:
+    """(argv, stdin file) that submits `script`, after `depends_on` ended (any status)."""
+    script = Path(script)
+    if scheduler == "slurm":
+        argv = ["sbatch", "--parsable"]
+        if depends_on:
+            argv.append(f"--dependency=afterany:{depends_on}")
+        return argv + [str(script)], None
+    if scheduler == "lsf":  # bsub reads #BSUB lines only from a script on stdin
+        argv = ["bsub"]
+        if depends_on:
+            argv += ["-w", f"ended({depends_on})"]
+        return argv, script
+    if scheduler == "pbs":
+        argv = ["qsub"]
+        if depends_on:
+            argv += ["-W", f"depend=afterany:{depends_on}"]
+        if chain_next:
+            argv += ["-v", "SPMD_CHAIN_NEXT=1"]
+        return argv + [str(script)], None
+    if scheduler == "flux":
+        argv = ["flux", "batch"]
+        if depends_on:
+            argv.append(f"--dependency=afterany:{depends_on}")
+        if chain_next:
+            argv.append("--env=SPMD_CHAIN_NEXT=1")
+        return argv + [str(script)], None
+    raise SpmdError(f"unknown scheduler '{scheduler}'")
+
+
+def parse_job_id(scheduler: Scheduler, out: str) -> str:
+    """The job id in a submit command's stdout."""
+    text = out.strip()
+    if scheduler == "lsf":
+        m = re.search(r"Job <([^>]+)>", text)
+        job_id = m.group(1) if m else ""
+    elif scheduler == "slurm":
+        job_id = text.splitlines()[-1].split(";")[0].strip() if text else ""
+    else:
+        job_id = text.splitlines()[-1].strip() if text else ""
+    if not job_id or any(ch.isspace() for ch in job_id):
+        raise SpmdError(f"could not find a job id in the output of {SUBMIT_TOOLS[scheduler]}: "
+                        f"{text!r}")
+    return job_id
+
+
+def submit(scheduler: Scheduler, script: Path, depends_on: str | None = None,
+           chain_next: bool = False, env: Mapping[str, str] | None = None,
+           timeout_s: float = 120.0) -> str:
+    """Submit `script`; return the job id. SpmdError names a missing or failing command."""
+    argv, stdin_path = submit_argv(scheduler, script, depends_on, chain_next)
+    path = (env or {}).get("PATH") if env else None
+    if shutil.which(argv[0], path=path) is None:
+        raise SpmdError(f"--submit needs `{argv[0]}` ({scheduler}) on PATH and it is not there; "
+                        f"run on a login node of the system, or render without --submit and "
+                        f"submit {script} yourself")
+    stdin = open(stdin_path, "rb") if stdin_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        r = subprocess.run(argv, stdin=stdin, capture_output=True, text=True, env=env,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SpmdError(f"`{shlex.join(argv)}` did not answer within {timeout_s:.0f} s; is the "
+                        f"{scheduler} controller reachable?") from None
+    finally:
+        if stdin_path:
+            stdin.close()
+    if r.returncode != 0:
+        raise SpmdError(f"`{shlex.join(argv)}` failed (exit {r.returncode}): "
+                        f"{(r.stderr or r.stdout).strip()}")
+    return parse_job_id(scheduler, r.stdout)
+
+
+def submit_chain(scheduler: Scheduler, script: Path, count: int,
+                 env: Mapping[str, str] | None = None) -> list[str]:
+    """Submit `script` `count` times, each job waiting for the previous one to end."""
+    _positive(count, "--chain")
+    ids: list[str] = []
+    for i in range(count):
+        ids.append(submit(scheduler, script, ids[-1] if ids else None,
+                          chain_next=i < count - 1, env=env))
+    return ids

@@ -1,0 +1,192 @@
+"""The training loop: one rank's view of a run, from bootstrap to the last save.
+
+`Trainer(cfg).run()` bootstraps this rank, restores the newest committed checkpoint (or
+initializes), then loops: one jitted update, then the hooks that are due. Everything
+between updates (preemption, metrics, evaluation, checkpoints, plots, a user's own) is a
+hook added with `add_hook(fn, every=N)`; see spmd.train.hooks for the calling convention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+from jax.experimental import multihost_utils
+
+from spmd.checkpoint import make_checkpointer
+from spmd.config.load import build_task
+from spmd.config.schema import Config
+from spmd.engine.mesh import build_mesh
+from spmd.engine.runtime import Runtime, build_runtime
+from spmd.launch import (
+    HALT_FILE_NAME,
+    LaunchEnv,
+    PreemptionWatcher,
+    bootstrap,
+    job_end_time,
+    shutdown,
+)
+from spmd.rundir.lease import RunLease
+from spmd.rundir.metrics import EventLog, setup_logging
+from spmd.tasks import Task
+from spmd.train.builtin_hooks import (
+    CheckpointHook,
+    EvalHook,
+    MetricsHook,
+    PlotsHook,
+    PreemptionHook,
+    StepClock,
+)
+from spmd.train.hooks import Hook, HookFn, StepInfo
+
+log = logging.getLogger("spmd.train.trainer")
+
+
+class Trainer:
+    """Trains `cfg` (its task, or `task`) on every device of every rank of the job."""
+
+    def __init__(self, cfg: Config, task: Task | None = None):
+        self.cfg = cfg
+        self.task = task
+        self.exit_code = 0
+        self._user_hooks: list[Hook] = []
+
+    def add_hook(self, fn: HookFn, *, every: int = 1, name: str = "") -> Hook:
+        """Call `fn(StepInfo)` after every `every`-th update and at the run's last step."""
+        hook = Hook(fn, every, name)
+        self._user_hooks.append(hook)
+        return hook
+
+    # ------------------------------------------------------------------ whole run
+
+    def run(self, debug: bool = False) -> int:
+        """Bootstrap this rank, train, shut the distributed runtime down; the exit status."""
+        cfg = self.cfg
+        env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
+                        heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
+        run_dir = Path(cfg.run.dir)
+        lease, events = None, None
+        try:
+            # One writer per run.dir: rank 0 leases it before writing there; refused: all exit 2.
+            lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
+                                     cfg.launch.barrier_timeout_s)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            setup_logging(run_dir, env.rank, debug)
+            if cfg.run.compilation_cache is not None:
+                use_compilation_cache(cfg.run.compilation_cache)
+            if env.rank == 0:
+                (run_dir / "config.yaml").write_text(cfg.to_yaml())
+            events = EventLog(run_dir / "events.jsonl", env.rank)
+            events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
+                        restart_count=env.restart_count, job_id=env.job_id, task=cfg.task)
+            lease.start(events)  # logs the acquisition or take-over; heartbeat while training
+            return self.fit(env, events)
+        finally:
+            if env.size > 1:
+                shutdown()  # jax.distributed.shutdown, after disarming the peer watchdog
+            if lease is not None:
+                lease.release()  # finished, preempted (75) or failed: every rank is done
+            if events is not None:
+                events.close()
+
+    def build(self, env: LaunchEnv) -> Runtime:
+        """The task's one-time preparation (rank 0), then every sharding and jitted step."""
+        task = self.task or build_task(self.cfg)
+        task.prepare(env.rank == 0)
+        if env.size > 1:
+            multihost_utils.sync_global_devices("spmd:task-prepared")
+        mesh = build_mesh(self.cfg.mesh, jax.devices(), env.node_of_rank)
+        rt = build_runtime(self.cfg, mesh, task)
+        shape = {k: v for k, v in rt.mesh.shape.items() if v > 1}
+        log.info("task %s; mesh %s over %d devices, %d processes; params %s B total, %s B "
+                 "per device", self.cfg.task, shape or "(all axes 1)", rt.mesh.size, env.size,
+                 f"{rt.model.report.total_bytes:,}", f"{rt.model.report.bytes_per_device:,}")
+        return rt
+
+    def fit(self, env: LaunchEnv, events: EventLog) -> int:
+        """Train on an initialized JAX runtime; returns the process exit status."""
+        cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
+        rt = self.build(env)
+        checkpointer = make_checkpointer(cfg, env, events)
+        restored = checkpointer.restore(rt.state.abstract)
+        if restored is not None:
+            state, start = restored.state, restored.step
+            events.emit("restored", step=start, source=restored.source, detail=restored.detail,
+                        **{k: round(v, 4) for k, v in restored.timings.items()})
+        else:
+            state, start = rt.init(), 0
+            events.emit("initialized", step=0)
+
+        clock = StepClock(start)
+        metrics = MetricsHook(rt, run_dir, events, is_main, clock)
+        hooks = self._hooks(rt, env, events, checkpointer, metrics)
+        info = StepInfo(step=start, state=state, metrics={}, runtime=rt, trainer=self,
+                        final=start >= cfg.train.steps)
+        try:
+            for hook in hooks:
+                hook.start(info)
+            compiled, seconds = rt.compile_train_step()
+            events.emit("compiled", seconds=round(seconds, 3))
+            clock.lap(start)  # compile time is not step time
+            info = self._loop(compiled, rt, state, start, hooks) or info
+        except BaseException:
+            metrics.close()
+            raise
+        for hook in hooks:
+            hook.close(info)
+        if info.stop_reason is not None:
+            events.emit("preempted", step=info.step, reason=info.stop_reason,
+                        exit_code=self.exit_code)
+        else:
+            events.emit("finished", step=info.step)
+        return self.exit_code
+
+    def _loop(self, compiled: Callable, rt: Runtime, state, start: int,
+              hooks: list[Hook]) -> StepInfo | None:
+        """Updates from `start` to train.steps (or a stop); the last step's info."""
+        source, total, info = rt.task.train_source(), self.cfg.train.steps, None
+        for step in range(start, total):
+            state, metrics = compiled(state, rt.feed.global_batch(source, step))
+            info = StepInfo(step=step + 1, state=state, metrics=metrics, runtime=rt,
+                            trainer=self, final=step + 1 == total)
+            for hook in hooks:
+                if hook.due(info):
+                    hook.fn(info)
+            if info.stop_reason is not None:
+                break
+        return info
+
+    def _hooks(self, rt: Runtime, env: LaunchEnv, events: EventLog, checkpointer,
+               metrics: MetricsHook) -> list[Hook]:
+        """Built-in hooks around the user's: preemption first (it makes a step final), then
+        metrics, evaluation, the user's hooks, the checkpoint, the plots."""
+        cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
+        watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME,
+                                            timeout_s=cfg.launch.barrier_timeout_s, env=env)
+        end_time = job_end_time(env, os.environ)
+        if end_time is not None:
+            watcher.deadline = end_time - cfg.launch.walltime_margin_s
+            log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
+                     cfg.launch.walltime_margin_s)
+        hooks = [Hook(PreemptionHook(watcher), 1, "preemption"),
+                 Hook(metrics, cfg.run.log_every, "metrics")]
+        if rt.eval_step is not None and cfg.train.eval_every:
+            hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main),
+                              cfg.train.eval_every, "evaluation"))
+        hooks += self._user_hooks
+        hooks.append(Hook(CheckpointHook(checkpointer), 1, "checkpoint"))
+        if is_main and cfg.run.plots:
+            hooks.append(Hook(PlotsHook(run_dir, events), max(cfg.train.steps, 1), "plots"))
+        return hooks
+
+
+def use_compilation_cache(path: Path) -> None:
+    """Point JAX's persistent compilation cache at `path` (run.compilation_cache)."""
+    path = Path(path).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    log.info("compilation cache %s", path)

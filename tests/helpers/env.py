@@ -1,0 +1,61 @@
+"""The environment of the test processes and of every child `spmd` they start.
+
+Importing this module, before anything imports jax, gives the pytest process 8 CPU devices
+and one persistent XLA compilation cache per test session (a fresh directory, removed at
+exit), shared by this process and every child `spmd`: dozens of tests compile the same small
+programs, and a resumed run recompiles what the first run compiled. Benchmarks, which time
+compilation, run without it (`clean_env(compile_cache=False)`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+
+XLA_CACHE = {"JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="spmd-tests-xla-cache-"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+os.environ.update(XLA_CACHE)
+atexit.register(shutil.rmtree, XLA_CACHE["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+REPO = Path(__file__).resolve().parents[2]
+ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def clean_env(compile_cache: bool = True, **extra: str) -> dict[str, str]:
+    """The environment for a child `spmd`: no launcher variables leaking in from outside."""
+    prefixes = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "FLUX_", "JSM_", "LSB_", "PALS_", "PBS_",
+                "SPMD_", "MPI_LOCAL", "HYDRA_", "JAX_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    if compile_cache:
+        env.update(XLA_CACHE)
+    env.update(extra)
+    return env
+
+
+def run_spmd(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m spmd.cli ARGS` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "spmd.cli", *args], capture_output=True, text=True,
+        env=env or clean_env(), timeout=timeout, cwd=cwd or REPO,
+    )
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip locally when a prerequisite is missing; fail on CI, where it must be there."""
+    if not condition:
+        if ON_CI:
+            pytest.fail(f"prerequisite missing on CI: {reason}")
+        pytest.skip(reason)

@@ -1,0 +1,157 @@
+"""Bring your own model: a user's package outside the repository trains like a built-in.
+
+The project in tests/multiprocess/plugin_project is copied to tmp_path (outside the
+repository) with its own `models/` and `launch/` packages, which raise if imported: spmd
+must import only its own `spmd.models` / `spmd.launch`. Every run goes through the installed
+`spmd` script with the user's project as the working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers.env import REPO, clean_env
+
+PROJECT = REPO / "tests" / "multiprocess" / "plugin_project"
+SPMD = Path(sys.executable).parent / "spmd"
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("user") / "project"
+    shutil.copytree(PROJECT, root)
+    return root
+
+
+def spmd(project: Path, *args: str, devices: int = 8, timeout: float = 300,
+         **env: str) -> subprocess.CompletedProcess:
+    script = [str(SPMD)] if SPMD.exists() else [sys.executable, "-m", "spmd.cli"]
+    return subprocess.run([*script, *args], cwd=project, capture_output=True, text=True,
+                          timeout=timeout,
+                          env=clean_env(JAX_NUM_CPU_DEVICES=str(devices), **env))
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["loss"] for r in lines if "loss" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def one_device(project) -> list[float]:
+    run_dir = project / "runs" / "one"
+    r = spmd(project, "train", "heat.yaml", f"run.dir={run_dir}", devices=1)
+    assert r.returncode == 0, r.stderr
+    got = losses(run_dir)
+    assert len(got) == STEPS and got[-1] < got[0], got
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ("mesh.strategy=dp",),
+    ("mesh.strategy=fsdp",),
+    ("mesh.strategy=spatial", "mesh.axes.context=4", "mesh.axes.tensor=2"),
+], ids=["dp", "fsdp", "spatial"])
+def test_plugin_trains_under_every_preset_like_one_device(project, one_device, overrides):
+    run_dir = project / "runs" / overrides[0].split("=")[1]
+    r = spmd(project, "train", "heat.yaml", f"run.dir={run_dir}", *overrides)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(losses(run_dir), one_device, rtol=1e-4)
+    resolved = (run_dir / "config.yaml").read_text()
+    assert "task: heatpkg.task:HeatTask" in resolved and "width: 8" in resolved
+
+
+def test_shardings_and_plan_accept_the_plugin(project):
+    r = spmd(project, "shardings", "heat.yaml", "mesh.strategy=fsdp", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    mix = next(p for p in report["params"] if p["path"] == "mix/kernel")
+    assert mix["logical_axes"] == [None, None, None, "embed", "mlp"]
+    assert mix["spec"][3] == "fsdp"
+    r = spmd(project, "plan", "heat.yaml", "--devices", "8", "mesh.strategy=spatial",
+             "mesh.axes.context=4", "mesh.axes.tensor=2", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["mesh"]["context"] == 4 and plan["mesh"]["tensor"] == 2
+    assert plan["param_bytes"] > 0 and plan["temp_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_is_bit_identical(project):
+    common = ("heat.yaml", "train.steps=30", "checkpoint.every=2", "mesh.strategy=dp")
+    reference = project / "runs" / "uninterrupted"
+    r = spmd(project, "train", *common, f"run.dir={reference}")
+    assert r.returncode == 0, r.stderr
+
+    run_dir = project / "runs" / "killed"
+    script = [str(SPMD)] if SPMD.exists() else [sys.executable, "-m", "spmd.cli"]
+    proc = subprocess.Popen([*script, "train", *common, f"run.dir={run_dir}"], cwd=project,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=clean_env(JAX_NUM_CPU_DEVICES="8", HEAT_STEP_DELAY_S="0.2"))
+    try:
+        committed = run_dir / "local" / "8" / "rank00000" / "COMMITTED"
+        deadline = time.time() + 240
+        while time.time() < deadline and not committed.exists():
+            time.sleep(0.05)
+        assert committed.exists(), "no committed checkpoint of step 8 before the deadline"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len(losses(run_dir)) < 30  # it really died mid-run
+    r = spmd(project, "train", *common, f"run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr
+    restored = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "restored" and e["step"] >= 8 for e in restored)
+    assert losses(run_dir) == losses(reference)  # bit-identical, every step
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("task=heatpkg.nope:HeatTask", "task: cannot import module 'heatpkg.nope'"),
+    ("task=heatpkg.task:not_a_task", "not a subclass of spmd.Task"),
+    ("model.widht=8", "unknown config key 'model.widht'; did you mean 'model.width'?"),
+    ("task=heatpkg.task:Missing", "module 'heatpkg.task' has no attribute 'Missing'"),
+    ("model.width=wide", "model.width: Input should be a valid integer"),
+])
+def test_bad_task_config_is_one_line(project, override, expected):
+    for command in ("train", "shardings"):
+        r = spmd(project, command, "heat.yaml", override, devices=1, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert expected in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_python_api_trains_with_user_hooks(project, tmp_path):
+    """`spmd.train(config, task=...)` from a script, with a hook every 3 steps."""
+    script = tmp_path / "train_heat.py"
+    script.write_text(
+        "import json, sys\n"
+        "import spmd\n"
+        "from heatpkg.task import HeatTask\n"
+        "seen = []\n"
+        "def record(info):\n"
+        "    seen.append((info.step, info.final, round(info.values['loss'], 6)))\n"
+        "cfg = {'model': {'width': 8, 'grid': 8}, 'train': {'steps': 7, 'batch_size': 2},\n"
+        "       'run': {'progress': False, 'plots': False, 'dir': sys.argv[1]}}\n"
+        "code = spmd.train(cfg, task=HeatTask, hooks=[(record, 3)])\n"
+        "print(json.dumps({'code': code, 'seen': seen}))\n")
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], cwd=project,
+                       capture_output=True, text=True, timeout=300,
+                       env=clean_env(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(project)))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["code"] == 0
+    assert [(s, f) for s, f, _ in out["seen"]] == [(3, False), (6, False), (7, True)]
+    logged = losses(tmp_path / "run")
+    assert [loss for *_, loss in out["seen"]] == [round(logged[i - 1], 6) for i in (3, 6, 7)]
