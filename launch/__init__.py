@@ -4,14 +4,14 @@
     watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME)
     ...
     if watcher.should_stop(step):                           # every rank, every step
-        save(); sys.exit(PREEMPTED_EXIT_CODE)               # 75: the job script requeues
+        save(); sys.exit(ExitCode.PREEMPTED)                # 75: the job script requeues
 """
 
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
-from spmd.launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE, PreemptionWatcher
+from spmd.launch.preemption import HALT_FILE_NAME, PreemptionWatcher
 from spmd.launch.startup import bootstrap, shutdown
 from spmd.launch.walltime import job_end_time
 
 __all__ = ["LaunchEnv", "LaunchError", "resolve_launch_env", "bootstrap", "PreemptionWatcher",
-           "PREEMPTED_EXIT_CODE", "HALT_FILE_NAME", "job_end_time", "shutdown"]
+           "HALT_FILE_NAME", "job_end_time", "shutdown"]

@@ -1,7 +1,8 @@
 """The one error type of the launch layer."""
 
+from spmd.errors import SpmdError
 
-class LaunchError(RuntimeError):
+
+class LaunchError(SpmdError, RuntimeError):
     """A launch problem the user can fix; the message names rank, host and variables."""
 
-    exit_code = 2

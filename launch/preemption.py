@@ -7,7 +7,7 @@ watched signals (SIGTERM, SIGUSR1, SIGUSR2 by default), rank 0 sees the halt fil
 when the job runs under MPI, else the jax.distributed key-value store and a barrier; both
 time out (LaunchError) instead of hanging when a rank is gone.
 
-The trainer saves and exits with PREEMPTED_EXIT_CODE = 75 (EX_TEMPFAIL from sysexits.h);
+The trainer saves and exits with `spmd.errors.ExitCode.PREEMPTED` (75, EX_TEMPFAIL);
 job scripts turn that status into a requeue.
 
 Once the interpreter exits, the watched signals are ignored (`ignore_at_exit`, also called
@@ -33,7 +33,6 @@ from spmd.launch import mpi
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
 
-PREEMPTED_EXIT_CODE = 75
 # The halt file in run.dir: present -> all ranks stop at the next step (job scripts write it).
 HALT_FILE_NAME = "HALT"
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from spmd.errors import ExitCode
 from spmd.launch import coordinator, devices, mpi, watchdog
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
@@ -41,7 +42,7 @@ def _timed_out(env: LaunchEnv, addr: str, timeout_s: float) -> None:
           f"logs), that {addr} is reachable from every node, or raise launch.init_timeout_s",
           file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(LaunchError.exit_code)
+    os._exit(ExitCode.USER_ERROR)
 
 
 def _initialize(env: LaunchEnv, ids: tuple[int, ...] | None, init_timeout_s: float,

@@ -8,7 +8,7 @@ time, and a zombie (state Z or X) counts as gone.
 SPMD_LAUNCHER_START). `watch_launcher` (started by `bootstrap`, before jax.distributed waits
 for anything) checks four times a second that this process still exists; when it does not (SIGKILL,
 OOM killer, closed terminal), the rank prints one line naming the launcher's pid and ends with
-os._exit(ORPHANED_EXIT_CODE): no atexit handlers, no `finally`, so nothing more is written. A
+os._exit(ExitCode.ORPHANED): no atexit handlers, no `finally`, so nothing more is written. A
 save in flight stays an uncommitted temp directory, which restore ignores (commits are atomic
 renames). Under srun/jsrun/PALS/Flux the scheduler ends orphaned ranks itself and these
 variables are not set, so no thread runs.
@@ -44,9 +44,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from spmd.errors import ExitCode
+
 LAUNCHER_PID_VAR = "SPMD_LAUNCHER_PID"
 LAUNCHER_START_VAR = "SPMD_LAUNCHER_START"
-ORPHANED_EXIT_CODE = 69  # EX_UNAVAILABLE (sysexits.h): the launcher this rank belongs to is gone
 
 _watching: dict[str, threading.Thread] = {}
 # key -> (pid, start time, message, marker file of a clean exit)
@@ -101,7 +102,7 @@ def launcher_from(environ: Mapping[str, str]) -> tuple[int, int | None] | None:
 
 
 def _end(line: str) -> None:
-    text = (f"{line}; ending this rank with status {ORPHANED_EXIT_CODE} (saves in flight stay "
+    text = (f"{line}; ending this rank with status {ExitCode.ORPHANED:d} (saves in flight stay "
             "uncommitted; resume from the last committed checkpoint)")
     # first into the rank's own log file, if one is open (a FileHandler flushes per record):
     # the launcher that forwards stderr may be tearing down, so the local file goes first
@@ -110,7 +111,7 @@ def _end(line: str) -> None:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
     print(f"spmd: error: {text}", file=sys.stderr, flush=True)
-    os._exit(ORPHANED_EXIT_CODE)
+    os._exit(ExitCode.ORPHANED)
 
 
 _pidfds: dict[int, int] = {}   # pid -> pidfd (Linux >= 5.3): readable the moment it exits

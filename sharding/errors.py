@@ -1,5 +1,7 @@
 """One error type for everything the sharding layer refuses."""
 
+from spmd.errors import SpmdError
 
-class ShardingError(ValueError):
+
+class ShardingError(SpmdError, ValueError):
     """A rule, mesh or annotation problem, with a message that names what to fix."""

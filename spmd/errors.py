@@ -1,10 +1,30 @@
-"""Errors a user can fix: the CLI prints them as one message, no traceback."""
+"""Errors a user can fix, and the one table of exit statuses.
+
+The CLI prints a `SpmdError` as one message, no traceback, and exits with its `exit_code`.
+`ExitCode` is the only place an exit status is defined: the trainer turns a stop into one,
+job scripts requeue on `PREEMPTED`, and the README lists them. A leaf: imports nothing of spmd,
+so every layer (launch and sharding included) may import it.
+"""
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Every status a spmd process exits with on purpose (sysexits.h where one fits)."""
+
+    OK = 0
+    USER_ERROR = 2      # a config, launch, sharding or lease problem; the message names it
+    DOES_NOT_FIT = 3    # `spmd plan`: the run does not fit the devices' memory
+    ORPHANED = 69       # EX_UNAVAILABLE: the launcher or a peer rank of this rank is gone
+    LEASE_LOST = 73     # EX_CANTCREAT: another run took over this run directory's lease
+    PREEMPTED = 75      # EX_TEMPFAIL: stopped for preemption after a save; requeue and resume
+    INTERRUPTED = 130   # 128 + SIGINT: Ctrl-C at the console
 
 
 class SpmdError(Exception):
     """Base for errors whose message says what to fix (config key, path, variable)."""
 
-    exit_code = 2
+    exit_code: int = ExitCode.USER_ERROR
 
 
 class ConfigError(SpmdError):

@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from spmd.config.schema import Config
-from spmd.errors import SpmdError
+from spmd.errors import ExitCode, SpmdError
 
 GiB = 1 << 30
 GENERIC_GPU = ("generic-80g", 80 * GiB)      # the default target: a generic 80 GB GPU
@@ -42,7 +42,7 @@ _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
 class PlanDoesNotFit(SpmdError):
     """The step needs more device memory than the target system has."""
 
-    exit_code = 3
+    exit_code = ExitCode.DOES_NOT_FIT
 
 
 @dataclass

@@ -13,6 +13,8 @@ import logging
 import sys
 import traceback
 
+from spmd.errors import ExitCode, SpmdError
+
 COMMANDS = ("train", "run", "doctor", "shardings", "jobscript", "ckpt", "plot", "data", "plan")
 
 log = logging.getLogger("spmd")
@@ -27,14 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from spmd.errors import SpmdError
-    from spmd.launch.errors import LaunchError
-    from spmd.sharding.errors import ShardingError
-
-    return (SpmdError, ShardingError, LaunchError)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -46,12 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         code = args.func(args)
-    except _user_errors() as e:
+    except SpmdError as e:
         if args.debug:
             traceback.print_exc()
         print(f"spmd {args.command}: error: {e}", file=sys.stderr)
-        code = getattr(e, "exit_code", 2)
+        code = e.exit_code
     except KeyboardInterrupt:
-        code = 130
+        code = ExitCode.INTERRUPTED
     return int(code or 0)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spmd import jobscripts
-from spmd.errors import SpmdError
+from spmd.errors import ExitCode, SpmdError
 from spmd.hpc.systems import Scheduler, SystemProfile, system_profile
-from spmd.launch.preemption import HALT_FILE_NAME, PREEMPTED_EXIT_CODE
+from spmd.launch.preemption import HALT_FILE_NAME
 
 FORWARD_SIGNAL = "USR2"    # what the batch shell sends the ranks (NCCL may own SIGUSR1)
 TEMPLATE_DIR = Path(jobscripts.__file__).resolve().parent
@@ -276,7 +276,7 @@ def render(req: JobRequest) -> str:
         "launcher": launcher, "train_command": " ".join(shlex.quote(a) for a in train),
         "bind_wrapper": (p.bind_wrapper.replace("{gpus_per_node}", str(req.gpus_per_node))
                          if p.bind_wrapper else None),
-        "halt_file": HALT_FILE_NAME, "preempted_exit": PREEMPTED_EXIT_CODE,
+        "halt_file": HALT_FILE_NAME, "preempted_exit": int(ExitCode.PREEMPTED),
         "forward_signal": FORWARD_SIGNAL, "traps": TRAPPED_SIGNALS[p.scheduler],
         "script_path": str(req.script_path) if req.script_path else "",
         "command_line": command_line(req),

@@ -23,7 +23,7 @@ Invariants
   a clean finish, a preemption (status 75), an error. Not when the process is killed or its
   launcher watchdog ends it: the next run takes the stale lease over.
 - A holder whose heartbeat finds the lease gone or another token in it stops the process at
-  once (status LEASE_LOST_EXIT_CODE) with a line naming the new holder, writing nothing more.
+  once (status ExitCode.LEASE_LOST, 73) with a line naming the new holder, writing nothing more.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from spmd.errors import SpmdError
+from spmd.errors import ExitCode, SpmdError
 from spmd.launch import LaunchEnv
 from spmd.launch.env import job_identity
 from spmd.launch.watchdog import launcher_from, process_alive, process_start_time
@@ -49,14 +49,12 @@ from spmd.launch.watchdog import launcher_from, process_alive, process_start_tim
 log = logging.getLogger("spmd.rundir.lease")
 
 LEASE_NAME = "lease.json"
-LEASE_LOST_EXIT_CODE = 73  # EX_CANTCREAT (sysexits.h): another run owns the run directory now
 _DECISION_KEY = "spmd/lease/decision"
 
 
 class LeaseHeld(SpmdError):
     """Another live run holds the run directory's lease."""
 
-    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -249,7 +247,7 @@ class RunLease:
             raise error
         if decision != "ok":  # rank 0 prints the one line that names the holder
             log.debug("rank 0 did not get the lease of %s; exiting", run_dir)
-            raise SystemExit(LeaseHeld.exit_code)
+            raise SystemExit(ExitCode.USER_ERROR)
         return cls(run_dir, env, me, previous, stale_s)
 
     def start(self, events: Any) -> None:
@@ -274,10 +272,10 @@ class RunLease:
             if got is None or got[0].token != self.me.token:
                 new = "it was removed" if got is None else f"now held by {got[0].describe()}"
                 print(f"spmd: error: {self.env.who}: lost the lease on {self.path.parent} "
-                      f"({new}); stopping with status {LEASE_LOST_EXIT_CODE} without writing "
+                      f"({new}); stopping with status {ExitCode.LEASE_LOST:d} without writing "
                       "more: another run owns this run directory now", file=sys.stderr,
                       flush=True)
-                os._exit(LEASE_LOST_EXIT_CODE)
+                os._exit(ExitCode.LEASE_LOST)
             try:
                 os.utime(self.path)
             except OSError as e:

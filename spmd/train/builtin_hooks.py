@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from spmd.engine.runtime import Runtime
-from spmd.launch import PREEMPTED_EXIT_CODE, PreemptionWatcher
+from spmd.errors import ExitCode
+from spmd.launch import PreemptionWatcher
 from spmd.rundir.metrics import EventLog, JsonlWriter, Progress
 from spmd.train.hooks import StepInfo
 
@@ -49,7 +50,7 @@ class PreemptionHook:
     def __call__(self, info: StepInfo) -> None:
         if self.watcher.should_stop(info.step):
             info.final, info.stop_reason = True, self.watcher.reason or "preempted"
-            info.trainer.exit_code = PREEMPTED_EXIT_CODE
+            info.trainer.exit_code = ExitCode.PREEMPTED
 
 
 class MetricsHook:

@@ -63,7 +63,8 @@ def test_mpi4py_path(tmp_path):
 
 WATCHER_SCRIPT = r"""
 import json, os, signal, sys, time
-from spmd.launch import PREEMPTED_EXIT_CODE, PreemptionWatcher, bootstrap
+from spmd.errors import ExitCode
+from spmd.launch import PreemptionWatcher, bootstrap
 env = bootstrap(60, 60)
 halt = os.environ.get("HALT_FILE")
 watcher = PreemptionWatcher.install(halt_file=halt, timeout_s=30)
@@ -78,7 +79,7 @@ for step in range(100000):
     if watcher.should_stop(step):
         report = {"rank": env.rank, "step": step, "reason": watcher.reason}
         sys.stdout.write(json.dumps(report) + "\n")  # one write: ranks never interleave
-        sys.exit(PREEMPTED_EXIT_CODE)
+        sys.exit(ExitCode.PREEMPTED)
     time.sleep(0.001)
 sys.exit(1)
 """

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from test_jobscript import FAKE_RANK
 
-from spmd.hpc.batch_scripts import PREEMPTED_EXIT_CODE, make_request, submit, write_script
+from spmd.errors import ExitCode
+from spmd.hpc.batch_scripts import make_request, submit, write_script
 from tests.helpers.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -162,7 +163,7 @@ def test_spmd_train_preempted_stops_together_and_requeues(slurm_cluster, tmp_pat
         stops = preempted()
         assert {e["rank"] for e in stops} == {0, 1}, stops
         assert len({e["step"] for e in stops}) == 1, f"ranks stopped at different steps: {stops}"
-        assert all(e["exit_code"] == PREEMPTED_EXIT_CODE for e in stops), stops
+        assert all(e["exit_code"] == ExitCode.PREEMPTED for e in stops), stops
         stop_step = stops[0]["step"]
 
         slurm_cluster.wait_for(job, lambda i: int(i.get("Restarts", 0)) >= 1, 60,

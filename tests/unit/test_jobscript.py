@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from spmd.cli import main
+from spmd.errors import ExitCode
 from spmd.hpc.batch_scripts import (
     HALT_FILE_NAME,
-    PREEMPTED_EXIT_CODE,
     format_walltime,
     make_request,
     parse_job_id,
@@ -168,7 +168,7 @@ def test_every_script_is_valid_bash_and_complete(system, capsys, tmp_path):
     r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert text.startswith("#!/bin/bash\n")
-    assert f"SPMD_PREEMPTED={PREEMPTED_EXIT_CODE}" in text
+    assert f"SPMD_PREEMPTED={int(ExitCode.PREEMPTED)}" in text
     assert "spmd_forward" in text and "kill -s USR2" in text
     assert 'wait "$spmd_step_pid"' in text
     assert "exit 0" in text  # after a successful requeue
@@ -248,7 +248,7 @@ def test_constants_match_launch_and_trainer():
     import spmd.train.trainer
     from spmd import launch
 
-    assert PREEMPTED_EXIT_CODE == launch.PREEMPTED_EXIT_CODE == 75
+    assert ExitCode.PREEMPTED == 75  # the one table; the script below renders it
     assert HALT_FILE_NAME == spmd.train.trainer.HALT_FILE_NAME == launch.HALT_FILE_NAME == "HALT"
 
 
@@ -429,7 +429,7 @@ def test_slurm_cancel_saves_but_does_not_requeue(tmp_path):
     h.wait_ready(proc)
     os.kill(proc.pid, signal.SIGTERM)
     code, out = h.finish(proc)
-    assert code == PREEMPTED_EXIT_CODE, out
+    assert code == int(ExitCode.PREEMPTED), out
     assert h.signals() == "SIGUSR2"
     assert not any(c.startswith("scontrol") for c in h.calls()), h.calls()
     assert "not requeueing" in out
@@ -485,8 +485,8 @@ def test_user_halt_file_stops_without_requeue(tmp_path):
     h = make_harness(tmp_path, "slurm")
     h.run_dir.mkdir(exist_ok=True)
     (h.run_dir / HALT_FILE_NAME).write_text("")  # a user asks the run to stop
-    code, out = h.finish(h.start(FAKE_MODE=f"exit:{PREEMPTED_EXIT_CODE}"))
-    assert code == PREEMPTED_EXIT_CODE, out
+    code, out = h.finish(h.start(FAKE_MODE=f"exit:{int(ExitCode.PREEMPTED)}"))
+    assert code == int(ExitCode.PREEMPTED), out
     assert not any(c.startswith("scontrol") for c in h.calls())
     assert (h.run_dir / HALT_FILE_NAME).exists() and "halt file" in out
 
