@@ -77,12 +77,12 @@ class Events:
 
 
 def checkpointer(root: Path, events: Events | None = None, **ck):
-    from spmd.checkpoint import make_checkpointer
+    from spmd.checkpoint import create_checkpointer
     from spmd.config.load import config_from_dict
 
     cfg = config_from_dict({"run": {"dir": str(root)}, "checkpoint": {"keep": 1, **ck}})
     env = SimpleNamespace(rank=0, size=1, node_of_rank=(0,), num_nodes=1)
-    return make_checkpointer(cfg, env, events)
+    return create_checkpointer(cfg.checkpoint, run_dir=cfg.run.dir, env=env, events=events)
 
 
 class OrbaxAsync:

@@ -1,10 +1,11 @@
 """Process bootstrap: knows schedulers and MPI, nothing of models.
 
     env = bootstrap(init_timeout_s, heartbeat_timeout_s)   # every rank, before any JAX use
-    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME)
-    ...
-    if watcher.should_stop(step):                           # every rank, every step
-        save(); sys.exit(ExitCode.PREEMPTED)                # 75: the job script requeues
+    watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME, env=env)
+    priority, reason = watcher.request()                    # what this rank alone has seen
+
+Owns what one rank sees of the job; may import nothing of the project but `spmd.errors`.
+Making every rank agree on a stop at one step is `spmd.comm.StopVote`, a layer up.
 """
 
 from spmd.launch.env import LaunchEnv, resolve_launch_env

@@ -5,6 +5,9 @@ answer in time (jax 0.10: "Terminating process because the JAX distributed servi
 fatal errors ... DEADLINE_EXCEEDED"), so every wait is ours first: non-zero ranks probe the
 coordinator's TCP port until `init_timeout_s`, and a watchdog thread ends the process with a
 message naming rank, host and coordinator if initialize itself is not done by then.
+
+Nothing else reads bootstrap's state: other layers get the LaunchEnv it returns, and the MPI
+world from `spmd.launch.mpi.world()` (cached: the same communicator bootstrap used).
 """
 
 from __future__ import annotations
@@ -25,12 +28,7 @@ from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
 from spmd.launch.preemption import ignore_at_exit
 
-_current: dict[str, Any] = {}
-
-
-def current() -> tuple[LaunchEnv, Any] | None:
-    """(env, MPI communicator or None) of the last `bootstrap` in this process."""
-    return (_current["env"], _current["comm"]) if _current else None
+_booted: list[LaunchEnv] = []  # the first bootstrap's env: jax.distributed starts once
 
 
 def _timed_out(env: LaunchEnv, addr: str, timeout_s: float) -> None:
@@ -82,8 +80,8 @@ def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
 
     Idempotent: a second call in the same process returns the first call's LaunchEnv.
     """
-    if _current:  # once per process: jax.distributed cannot be initialized twice
-        return _current["env"]
+    if _booted:  # once per process: jax.distributed cannot be initialized twice
+        return _booted[0]
     environ = os.environ if environ is None else environ
     comm = mpi.world(environ)
     if comm is not None:  # after MPI_Init: a peer's exit must not kill this rank at its own
@@ -99,7 +97,7 @@ def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
     if env.size > 1:
         _initialize(env, device_plan.local_device_ids, init_timeout_s, heartbeat_timeout_s,
                     shutdown_timeout_s or init_timeout_s)
-    _current.update(env=env, comm=comm, plan=device_plan)
+    _booted.append(env)
     return env
 
 

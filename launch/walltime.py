@@ -3,8 +3,8 @@
 Variables first (SPMD_JOB_END_TIME, SLURM_JOB_END_TIME), then the scheduler's own tool with
 a short timeout: `squeue -h -j ID -o %e` (Slurm), `bjobs -noheader -hms -o time_left ID`
 (LSF), `flux job info ID R` (Flux), `qstat -f ID` (PBS). Tools are asked on rank 0 only, so
-that thousands of ranks do not flood the scheduler; the PreemptionWatcher's stop decision is
-collective, so a deadline known to rank 0 stops every rank. Never raises.
+that thousands of ranks do not flood the scheduler; the stop decision (`spmd.comm.StopVote`)
+is collective, so a deadline known to rank 0 stops every rank. Never raises.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Logical axis names -> named device mesh. Imports nothing of the rest of spmd."""
+"""Logical axis names -> named device mesh: rule tables, one resolver, the sharding report.
+
+Owns the logical-axis vocabulary, strategy presets, parameter and activation shardings and
+the pipeline schedules over the `stage` axis. Pure functions over `jax.sharding`: imports
+nothing of the rest of spmd but `spmd.errors`, and knows nothing of MPI.
+"""
 
 from spmd.sharding.annotate import (
     LOGICAL_AXES_KEY,

@@ -36,14 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spmd.sharding.pipeline import (
-    Block,
-    _on_stages,
-    _per_stage,
-    _Stages,
-    gpipe_forward,
-    stage_function,
-)
+from spmd.sharding.stages import Block, Stages, gpipe_forward, on_stages, per_stage, stage_function
 
 
 def tick_phase(t: Any, stages: int, microbatches: int) -> Any:
@@ -53,7 +46,7 @@ def tick_phase(t: Any, stages: int, microbatches: int) -> Any:
     return jnp.asarray(t >= s - 1, jnp.int32) + jnp.asarray(t >= m + s - 1, jnp.int32)
 
 
-def one_f_one_b(block: Block, staged: Any, xs: jax.Array, stages: _Stages) -> jax.Array:
+def one_f_one_b(block: Block, staged: Any, xs: jax.Array, stages: Stages) -> jax.Array:
     """(M, mb, ...) microbatches through the stages; 1F1B-scheduled backward."""
 
     @jax.custom_vjp
@@ -72,7 +65,7 @@ def one_f_one_b(block: Block, staged: Any, xs: jax.Array, stages: _Stages) -> ja
 
 
 def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
-              stages: _Stages) -> tuple[Any, jax.Array]:
+              stages: Stages) -> tuple[Any, jax.Array]:
     s, m = stages.count, xs.shape[0]
     ring = min(m, 2 * s - 1)
     k = jnp.arange(s)
@@ -93,10 +86,10 @@ def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
         fi = t - k
         f_ok = (fi >= 0) & (fi < m)
         new = jax.lax.dynamic_index_in_dim(xs, jnp.clip(t, 0, m - 1), 0, keepdims=False)
-        inp = _on_stages(jnp.where(_per_stage(first, fbuf), new[None], fbuf), stages)
-        out = _on_stages(forward(staged, inp), stages)
+        inp = on_stages(jnp.where(per_stage(first, fbuf), new[None], fbuf), stages)
+        out = on_stages(forward(staged, inp), stages)
         slot = jnp.mod(jnp.clip(fi, 0, m - 1), ring)
-        stash = write(stash, jnp.where(_per_stage(f_ok, inp), inp, read(stash, slot)), slot)
+        stash = write(stash, jnp.where(per_stage(f_ok, inp), inp, read(stash, slot)), slot)
         return jnp.roll(out, 1, axis=0), stash
 
     def backward_slot(gbuf, stash, grads, gxs, t):
@@ -105,15 +98,15 @@ def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
         b_ok = (bi >= 0) & (bi < m)
         g_last = jax.lax.dynamic_index_in_dim(gys, jnp.clip(t - (s - 1), 0, m - 1), 0,
                                               keepdims=False)
-        g_out = _on_stages(jnp.where(_per_stage(last, gbuf), g_last[None], gbuf), stages)
+        g_out = on_stages(jnp.where(per_stage(last, gbuf), g_last[None], gbuf), stages)
         x_b = read(stash, jnp.mod(jnp.clip(bi, 0, m - 1), ring))
         g_params, g_in = backward(staged, x_b, g_out)
         grads = jax.tree.map(
-            lambda acc, g: acc + jnp.where(_per_stage(b_ok, g), g, 0), grads, g_params)
-        g_in = jnp.where(_per_stage(b_ok, g_in), g_in, 0)
+            lambda acc, g: acc + jnp.where(per_stage(b_ok, g), g, 0), grads, g_params)
+        g_in = jnp.where(per_stage(b_ok, g_in), g_in, 0)
         gxs = jax.lax.dynamic_update_index_in_dim(
             gxs, g_in[0], jnp.clip(t - (2 * s - 2), 0, m - 1), 0)
-        return _on_stages(jnp.roll(g_in, -1, axis=0), stages), grads, gxs
+        return on_stages(jnp.roll(g_in, -1, axis=0), stages), grads, gxs
 
     def tick(carry, t):
         """One tick; which slots it runs is the same on every device (it depends on t only)."""
@@ -135,8 +128,8 @@ def _backward(block: Block, staged: Any, xs: jax.Array, gys: jax.Array,
         branches = (forward_only, both, backward_only)
         return jax.lax.switch(tick_phase(t, s, m), branches, *carry), None
 
-    zeros = _on_stages(jnp.zeros((s, *xs.shape[1:]), xs.dtype), stages)
-    stash = _on_stages(jnp.zeros((s, ring, *xs.shape[1:]), xs.dtype), stages)
+    zeros = on_stages(jnp.zeros((s, *xs.shape[1:]), xs.dtype), stages)
+    stash = on_stages(jnp.zeros((s, ring, *xs.shape[1:]), xs.dtype), stages)
     grads = jax.tree.map(jnp.zeros_like, staged)
     carry = (zeros, zeros, stash, grads, jnp.zeros_like(xs))
     (_, _, _, grads, gxs), _ = jax.lax.scan(tick, carry, jnp.arange(m + 2 * s - 2))

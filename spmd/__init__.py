@@ -29,8 +29,9 @@ _PUBLIC = {
     "ModelConfig": "spmd.config.schema",
     "Config": "spmd.config.schema",
     "load_config": "spmd.config.load",
-    "Trainer": "spmd.train.trainer",
-    "StepInfo": "spmd.train.hooks",
+    "Trainer": "spmd.loop.trainer",
+    "StepInfo": "spmd.loop.hooks",
+    "Stop": "spmd.loop.hooks",
     "TrainState": "spmd.engine.state",
     "train": "spmd.api",
 }

@@ -6,14 +6,13 @@ Python is the run the CLI would start: same bootstrap, checkpoints, hooks and ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from spmd.config.load import config_from_dict, load_config, task_class, with_overrides
 from spmd.config.schema import Config
+from spmd.loop.hooks import Hook, HookFn
 from spmd.tasks import Task
-from spmd.train.hooks import Hook
 
 
 def as_config(config: Config | str | Path | dict | None, overrides: list[str] | None = None,
@@ -30,15 +29,16 @@ def as_config(config: Config | str | Path | dict | None, overrides: list[str] | 
 
 def train(config: Config | str | Path | dict | None = None, task: type[Task] | Task | None = None,
           *, overrides: list[str] | None = None,
-          hooks: Iterable[Hook | tuple[Callable[..., Any], int]] = (),
+          hooks: Iterable[Hook | tuple[HookFn, int]] = (),
           debug: bool = False) -> int:
     """Train `config` (its `task:` or `task`) on this rank; returns the exit status.
 
-    0: finished; 75: stopped for preemption after a save (resume by running it again).
-    `hooks` are `Hook`s or `(fn, every)` pairs, called as `Trainer.add_hook` calls them.
+    0: finished, or a hook returned `Stop(reason)`; 75: stopped for preemption after a save
+    (resume by running it again). `hooks` are `Hook`s or `(fn, every)` pairs, called as
+    `Trainer.add_hook` calls them; see spmd.loop.hooks for `StepInfo` and `Stop`.
     Under srun/mpiexec every rank calls this; alone it runs as one process.
     """
-    from spmd.train.trainer import Trainer
+    from spmd.loop.trainer import Trainer
 
     instance = task if isinstance(task, Task) else None
     task_cls = type(task) if instance is not None else task

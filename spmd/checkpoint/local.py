@@ -248,7 +248,6 @@ class LocalTier:
             index = make_index(step, self.rank, layout, pieces, crcs)
             where = tmp / INDEX
             write_json_atomic(where, index, fsync=self.fsync)
-            _stall_for_tests(step)
         except Exception as e:
             error = f"rank {self.rank}: writing step {step} to {where} failed: {_err(e)}"
             return make_index(step, self.rank, layout, pieces, [0] * len(pieces)), nbytes, error
@@ -407,17 +406,6 @@ class LocalTier:
                 self.discard(s)
                 dropped.append(s)
         return dropped
-
-
-def _stall_for_tests(step: int) -> None:
-    """Fault injection: SPMD_CKPT_TEST_STALL=STEP:SECONDS holds that step's save in flight."""
-    spec = os.environ.get("SPMD_CKPT_TEST_STALL", "")
-    if spec:
-        at, _, seconds = spec.partition(":")
-        if int(at) == step:
-            log.warning("SPMD_CKPT_TEST_STALL: holding the save of step %d for %s s", step,
-                        seconds)
-            time.sleep(float(seconds))
 
 
 def _err(e: BaseException) -> str:

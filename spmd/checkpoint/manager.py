@@ -13,14 +13,15 @@ time (creation to close) training spent blocked on, or waiting for, checkpoints.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 
+from spmd.checkpoint.coordination import CheckpointCoordinator, CheckpointTimeout
 from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.local import LocalTier, partner_map
@@ -30,7 +31,13 @@ from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
 from spmd.checkpoint.snapshot import Snapshot, Snapshotter
 from spmd.checkpoint.transport import Transport
-from spmd.comm.agreement import CheckpointTimeout, Coordinator
+from spmd.config.schema import CheckpointConfig
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from spmd.launch import LaunchEnv
+    from spmd.rundir.metrics import EventLog
 
 log = logging.getLogger("spmd.checkpoint")
 
@@ -90,15 +97,21 @@ def _decide_local(votes: list[dict]) -> dict:
 
 
 class HierarchicalCheckpointer:
-    """Local tier (+ partner copies) and persistent tier behind the Checkpointer protocol."""
+    """Local tier (+ partner copies) and persistent tier behind the Checkpointer protocol.
 
-    def __init__(self, cfg: Any, env: Any, events: Any, *, mpi_world: Any = None):
-        ck = cfg.checkpoint
+    Built from the `checkpoint:` section alone (`spmd.checkpoint.create_checkpointer`);
+    `run_dir` (`run.dir`) only places the tiers that the section does not place itself.
+    `events` None logs events instead of writing them; `mpi_world` None (one process, or no
+    usable MPI) means no partner copies.
+    """
+
+    def __init__(self, ck: CheckpointConfig, *, run_dir: Path, env: LaunchEnv,
+                 events: EventLog | None, mpi_world: MPI.Comm | None = None):
         self.rank, self.size = env.rank, env.size
         self.timeout_s, self.keep, self.use_async = ck.timeout_s, ck.keep, ck.async_
         self.events = events
         self.policy = SavePolicy(ck.every, ck.persistent_every)
-        local_dir, persistent_dir = tier_dirs(cfg)
+        local_dir, persistent_dir = tier_dirs(ck, run_dir)
         node_of_rank = tuple(env.node_of_rank) or tuple(range(self.size))
         num_nodes = len(set(node_of_rank))
         want_partner = ck.partner if ck.partner is not None else num_nodes > 1
@@ -123,17 +136,17 @@ class HierarchicalCheckpointer:
                       if ck.every > 0 else None)
         self.persistent = (PersistentTier(persistent_dir, self.rank, self.size,
                                           ck.persistent_every, ck.keep, ck.timeout_s,
-                                          ck.async_, Coordinator(self.rank, self.size,
-                                                                 ck.timeout_s, "persistent"),
+                                          ck.async_, CheckpointCoordinator(
+                                              self.rank, self.size, ck.timeout_s, "persistent"),
                                           compress=ck.compress)
                            if ck.persistent_every > 0 else None)
-        self._main = Coordinator(self.rank, self.size, ck.timeout_s, "main")
-        self._local_coord = Coordinator(self.rank, self.size, ck.timeout_s, "local")
+        self._main = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "main")
+        self._local_coord = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "local")
         self._workers = {"local": _Worker("local"), "persistent": _Worker("persistent")}
         self._last: dict[str, int | None] = {"local": None, "persistent": None}
         self._layout: SaveLayout | None = None
         self._closed = False
-        self.snapshotter = Snapshotter(getattr(ck, "snapshot", "auto"), self.rank, ck.timeout_s)
+        self.snapshotter = Snapshotter(ck.snapshot, self.rank, ck.timeout_s)
         self._created = time.perf_counter()
         self.totals = {"blocking_s": 0.0, "waited_s": 0.0, "snapshots": 0,
                        "saves": {"local": 0, "persistent": 0}}
@@ -250,7 +263,6 @@ class HierarchicalCheckpointer:
         def job() -> None:
             try:
                 try:
-                    _fail_host_copy_for_tests(step, self.rank)
                     arrays, failed = snap.pieces(pids), None
                 except Exception as e:
                     arrays, failed = [], (f"rank {self.rank}: host copy of the snapshot of step "
@@ -375,9 +387,3 @@ class HierarchicalCheckpointer:
         else:
             log.info("%s %s", event, fields)
 
-
-def _fail_host_copy_for_tests(step: int, rank: int) -> None:
-    """Fault injection: SPMD_CKPT_TEST_FAIL_HOST_COPY=STEP:RANK fails that rank's host copy."""
-    spec = os.environ.get("SPMD_CKPT_TEST_FAIL_HOST_COPY", "")
-    if spec and spec.split(":") == [str(step), str(rank)]:
-        raise RuntimeError("SPMD_CKPT_TEST_FAIL_HOST_COPY: injected failure")

@@ -5,20 +5,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from spmd.config.schema import CheckpointConfig
 
 
 def _expand(path: Path | str) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(str(path)))).absolute()
 
 
-def tier_dirs(cfg: Any) -> tuple[Path, Path]:
-    """(local_dir, persistent_dir) of a Config: defaults under run.dir; $VARS and ~ expanded.
+def tier_dirs(ck: CheckpointConfig, run_dir: Path) -> tuple[Path, Path]:
+    """(local_dir, persistent_dir) of a `checkpoint:` section; $VARS and ~ expanded.
 
-    `checkpoint.local_dir` may name node-local storage through the scheduler's variables,
-    e.g. `/mnt/bb/$USER/$SLURM_JOB_ID` (NVMe) or `/dev/shm/$USER/myrun` (RAM).
+    A tier the section does not place goes under `run_dir` (`run.dir`): `local/` and
+    `checkpoints/`. `checkpoint.local_dir` may name node-local storage through the
+    scheduler's variables, e.g. `/mnt/bb/$USER/$SLURM_JOB_ID` (NVMe) or `/dev/shm/$USER/myrun`
+    (RAM).
     """
-    ck, run_dir = cfg.checkpoint, Path(cfg.run.dir)
+    run_dir = Path(run_dir)
     local = _expand(ck.local_dir) if ck.local_dir is not None else _expand(run_dir / "local")
     persistent = (_expand(ck.persistent_dir) if ck.persistent_dir is not None
                   else _expand(run_dir / "checkpoints"))

@@ -17,8 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from spmd.checkpoint.coordination import CheckpointTimeout
 from spmd.checkpoint.interface import CheckpointError
-from spmd.comm.agreement import CheckpointTimeout, ranks_text
+from spmd.comm.agreement import ranks_text
 
 CHUNK = 32 << 20      # bytes per message
 WINDOW = 4            # messages in flight per peer and direction

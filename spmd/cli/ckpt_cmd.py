@@ -42,7 +42,8 @@ def tiers(run_dir: Path) -> tuple[Path, Path]:
     """(local_dir, persistent_dir) of a run, from its config.yaml (run.dir taken as RUN_DIR)."""
     from spmd.checkpoint.policy import tier_dirs
 
-    return tier_dirs(_config(run_dir))
+    cfg = _config(run_dir)
+    return tier_dirs(cfg.checkpoint, cfg.run.dir)
 
 
 def run(args: argparse.Namespace) -> int:

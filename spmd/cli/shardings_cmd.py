@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     mesh = build_mesh(cfg.mesh, devices)
     rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
     task = build_task(cfg)
-    schedule = check_pipeline(cfg, task, rules, mesh)
+    schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
     report = model_layout(task, cfg.train.seed, rules, mesh).report
     stages = stage_summary(report, rules, mesh, schedule)
     if args.json:

@@ -1,7 +1,22 @@
 """Communication between the ranks of a job: agreement and broadcast, with timeouts.
 
-Owns: the one reader of the jax.distributed key-value client (`kvstore`), and agreement
-among ranks (`agreement`): every rank votes, one decision comes back to all, and a rank
-that does not answer in time is named. May import `spmd.launch` (MPI, the LaunchEnv) and
+Owns every conversation among ranks above the bootstrap:
+- `kvstore`: the one reader of the private jax.distributed key-value client;
+- `rank_group`: `RankGroup`, collectives of all ranks (`broadcast_str`, `allreduce_max`)
+  over MPI when the job has an MPI world of its size, else over the key-value store;
+- `stop_vote`: `StopVote`, every rank stops at the same step for the same reason (the
+  preemption agreement over each rank's `spmd.launch.PreemptionWatcher`);
+- `agreement`: `Coordinator`, gather-decide-broadcast of JSON votes over the key-value store,
+  callable from any thread (the checkpoint's decisions);
+- `errors`: `AgreementError`, `AgreementTimeout`.
+Every wait is bounded, and its error names the rank, the host and the config key of the
+timeout. May import `spmd.launch` (MPI, the LaunchEnv, the preemption watcher) and
 `spmd.errors`; nothing above.
 """
+
+from spmd.comm.agreement import Coordinator
+from spmd.comm.errors import AgreementError, AgreementTimeout
+from spmd.comm.rank_group import RankGroup
+from spmd.comm.stop_vote import StopVote
+
+__all__ = ["AgreementError", "AgreementTimeout", "Coordinator", "RankGroup", "StopVote"]

@@ -5,6 +5,15 @@ multi-process JAX job already runs); rank 0 polls for all votes, decides, and po
 decision, which every other rank reads. Rank 0 knows exactly which ranks are missing when it
 gives up, and says so in the decision that the others then raise. No MPI is needed, so this
 works under every launcher, from any thread, and the store never blocks forever.
+
+Invariants
+- Every rank calls `agree` on a channel in the same order; the n-th call of every rank
+  meets the others' n-th (keys `spmd/<namespace>/<channel>/<n>/...`).
+- No wait is unbounded: rank 0 gives up after `timeout_s` and names the missing ranks and
+  `timeout_key`; the others wait a little longer for rank 0's word, then give up too.
+- The errors are the caller's: a layer above sets `error` and `timeout_error` (a subclass
+  per layer, e.g. the checkpoint's), `purpose` and `timeout_key`, so its messages keep
+  naming its own config; by default they are `AgreementError` and `AgreementTimeout`.
 """
 
 from __future__ import annotations
@@ -14,14 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spmd.checkpoint.interface import CheckpointError
+from spmd.comm.errors import AgreementError, AgreementTimeout
 from spmd.comm.kvstore import kv_client
 
 Decide = Callable[[list[dict]], dict]
-
-
-class CheckpointTimeout(CheckpointError):
-    """A rank waited longer than checkpoint.timeout_s for others."""
 
 
 def all_ok(votes: list[dict]) -> dict:
@@ -31,20 +36,23 @@ def all_ok(votes: list[dict]) -> dict:
 
 
 def ranks_text(ranks: list[int], limit: int = 16) -> str:
+    """"1, 2, 5" for messages; past `limit` ranks, "... and N more"."""
     shown = ", ".join(str(r) for r in ranks[:limit])
     return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
 
 
-def _kv_client() -> Any:
-    client = kv_client()
-    if client is None:
-        raise CheckpointError("checkpoint agreement needs jax.distributed to be initialized "
-                              "when there is more than one process")
-    return client
-
-
 class Coordinator:
-    """Gather-decide-broadcast on one channel; every rank calls `agree` in the same order."""
+    """Gather-decide-broadcast on one channel; every rank calls `agree` in the same order.
+
+    A layer that wants its own errors and config key in the messages subclasses it and sets
+    the class attributes below (see spmd.checkpoint.coordination).
+    """
+
+    error: type[Exception] = AgreementError
+    timeout_error: type[Exception] = AgreementTimeout
+    purpose = "agreement among ranks"  # "... needs jax.distributed to be initialized ..."
+    timeout_key = "timeout_s"          # the config key that sets `timeout_s`
+    namespace = "agree"                # keys live under spmd/<namespace>/<channel>/
 
     def __init__(self, rank: int, size: int, timeout_s: float, channel: str,
                  client: Any = None):
@@ -55,7 +63,10 @@ class Coordinator:
     @property
     def client(self) -> Any:
         if self._client is None:
-            self._client = _kv_client()
+            self._client = kv_client()
+            if self._client is None:
+                raise self.error(f"{self.purpose} needs jax.distributed to be initialized "
+                                 "when there is more than one process")
         return self._client
 
     def agree(self, what: str, vote: dict, decide: Decide = all_ok) -> dict:
@@ -66,26 +77,26 @@ class Coordinator:
         self._seq += 1
         if self.size == 1:
             return decide([vote])
-        prefix = f"spmd/ckpt/{self.channel}/{self._seq}"
+        prefix = f"spmd/{self.namespace}/{self.channel}/{self._seq}"
         client = self.client
         try:
             client.key_value_set(f"{prefix}/vote/{self.rank}", json.dumps(vote))
         except Exception as e:  # the coordination service is gone (rank 0 died?)
-            raise CheckpointError(f"rank {self.rank}: cannot post its vote to {what} "
-                                  f"(jax.distributed key-value store: {e})") from None
+            raise self.error(f"rank {self.rank}: cannot post its vote to {what} "
+                             f"(jax.distributed key-value store: {e})") from None
         if self.rank == 0:
             return self._decide(prefix, what, decide)
         wait_s = self.timeout_s * 1.1 + 5.0  # rank 0 times out first and says whom it missed
         try:
             text = client.blocking_key_value_get(f"{prefix}/decision", int(wait_s * 1000))
         except Exception as e:
-            raise CheckpointTimeout(
+            raise self.timeout_error(
                 f"rank {self.rank}: no decision from rank 0 within {wait_s:.0f} s while waiting "
                 f"for all ranks to {what} (rank 0 gathers every rank's answer; it may have died "
                 f"or hung - see its log for the ranks it waited for): {e}") from None
         decision = json.loads(text)
         if decision.get("timeout"):
-            raise CheckpointTimeout(decision["error"])
+            raise self.timeout_error(decision["error"])
         return decision
 
     def _decide(self, prefix: str, what: str, decide: Decide) -> dict:
@@ -104,10 +115,10 @@ class Coordinator:
                 missing = [r for r in range(self.size) if r not in votes]
                 decision = {"ok": False, "timeout": True, "missing": missing, "error": (
                     f"rank 0: timed out after {self.timeout_s:.0f} s waiting for rank(s) "
-                    f"{ranks_text(missing)} to {what} (checkpoint.timeout_s); they may have "
+                    f"{ranks_text(missing)} to {what} ({self.timeout_key}); they may have "
                     f"died, hung, or be stuck writing - check their logs")}
                 client.key_value_set(f"{prefix}/decision", json.dumps(decision))
-                raise CheckpointTimeout(decision["error"])
+                raise self.timeout_error(decision["error"])
             time.sleep(pause)
             pause = min(0.05, pause * 1.5)
         try:

@@ -3,6 +3,9 @@
 The public names for a user's task load lazily (no h5py/grain import until used):
 `BatchField`, `DataSource`, and the on-disk array source `ArraySource` with its writer
 `write_arrays` and its error `ArrayDataError` (spmd.data.arrays).
+
+Owns the batch layout types (`batch`: `BatchField`, `DataSource`), sources and the feed.
+May import `spmd.sharding` and `spmd.errors`; tasks import this layer, never the reverse.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import math
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmd.config.schema import Config
+from spmd.config.schema import MeshConfig, TrainConfig
 from spmd.errors import ConfigError
 from spmd.sharding import ACTIVATION_PREFIX, LOGICAL_AXES_KEY, RuleTable, ShardingReport
 from spmd.sharding.pipeline import (
@@ -49,35 +49,40 @@ def _data_ways(rules: RuleTable, shape: dict[str, int]) -> tuple[int, str]:
     return math.prod(shape[a] for a in active), " x ".join(f"{a}={shape[a]}" for a in active)
 
 
-def check_pipeline(cfg: Config, task: Task, rules: RuleTable,
+def check_pipeline(train: TrainConfig, mesh_cfg: MeshConfig, task: Task, rules: RuleTable,
                    mesh: Mesh) -> PipelineSchedule | None:
-    """The schedule to bind when `layers` is split into stages, else None; ConfigError if bad."""
-    shape = dict(mesh.shape)
+    """The schedule to bind when `layers` is split into stages, else None; ConfigError if bad.
+
+    Reads the `train:` section (microbatches, schedule, repeats, batch size, seed) and the
+    `mesh:` section (its strategy, named in errors); the model's own keys come from
+    `task.model_cfg`.
+    """
+    t, shape = train, dict(mesh.shape)
     axes = stage_axes(rules, shape)
-    t = cfg.train
     if not axes:
         for key, value in (("microbatches", t.microbatches),
                            ("pipeline_repeats", t.pipeline_repeats)):
             if value > 1:
                 raise ConfigError(
                     f"train.{key}={value} needs pipeline stages, but "
-                    f"mesh.strategy={cfg.mesh.strategy} does not split 'layers' over a mesh "
+                    f"mesh.strategy={mesh_cfg.strategy} does not split 'layers' over a mesh "
                     f"axis larger than 1; use mesh.strategy=pp (mesh.axes.stage > 1) or "
                     f"train.{key}=1")
         return None
     stages = math.prod(shape[a] for a in axes)
     where = ", ".join(f"mesh.axes.{a}={shape[a]}" for a in axes)
     layers = _stacked_layers(task, t.seed)
+    model_fields = type(task.model_cfg).model_fields
     if layers is None:
-        hint = ("set model.scan_layers=true" if "scan_layers" in type(cfg.model).model_fields
+        hint = ("set model.scan_layers=true" if "scan_layers" in model_fields
                 else "this task's model has no stack of identical layers")
         raise ConfigError(
-            f"mesh.strategy={cfg.mesh.strategy} splits stacked layers into {stages} pipeline "
+            f"mesh.strategy={mesh_cfg.strategy} splits stacked layers into {stages} pipeline "
             f"stages ({where}), but the model has no parameters with a 'layers' axis; {hint}, "
             f"or use a strategy without stages (e.g. mesh.strategy=dp)")
     repeats = t.pipeline_repeats
     if layers % (stages * repeats):
-        key = ("model.num_layers" if "num_layers" in type(cfg.model).model_fields
+        key = ("model.num_layers" if "num_layers" in model_fields
                else "the stacked layer count")
         times = f" x train.pipeline_repeats={repeats}" if repeats > 1 else ""
         raise ConfigError(

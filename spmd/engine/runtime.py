@@ -65,8 +65,8 @@ def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     """Resolve every sharding (failing early with precise errors) and build the jitted steps."""
     task = task or build_task(cfg)
     rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
-    tx = make_optimizer(cfg)
-    schedule = check_pipeline(cfg, task, rules, mesh)
+    tx = make_optimizer(cfg.train)
+    schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
     model = model_layout(task, cfg.train.seed, rules, mesh)
     model.report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
     state = state_layout(model, tx, rules, mesh)
@@ -79,5 +79,5 @@ def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules, schedule)
                    if eval_step is not None and has_samples else None)
     return Runtime(cfg, task, mesh, rules, tx, model, state, feed,
-                   init_state_fn(task, cfg, tx, state), train_step, eval_step, sample_step,
-                   schedule)
+                   init_state_fn(task, cfg.train.seed, tx, state), train_step, eval_step,
+                   sample_step, schedule)

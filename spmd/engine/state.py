@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd.config.schema import Config
+from spmd.config.schema import TrainConfig
 from spmd.sharding import RuleTable, ShardingReport, resolve_params, state_shardings
 from spmd.tasks.base import Task
 
@@ -33,15 +33,14 @@ class TrainState:
     opt_state: Any
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warm-up to `train.lr` (then constant) and optional global-norm clipping."""
-    t = cfg.train
-    if t.warmup_steps:
-        schedule = optax.linear_schedule(0.0, t.lr, t.warmup_steps)
+    if train.warmup_steps:
+        schedule = optax.linear_schedule(0.0, train.lr, train.warmup_steps)
     else:
-        schedule = optax.constant_schedule(t.lr)
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip else []
-    parts.append(optax.adamw(schedule, weight_decay=t.weight_decay))
+        schedule = optax.constant_schedule(train.lr)
+    parts = [optax.clip_by_global_norm(train.grad_clip)] if train.grad_clip else []
+    parts.append(optax.adamw(schedule, weight_decay=train.weight_decay))
     return optax.chain(*parts)
 
 
@@ -100,12 +99,13 @@ def state_layout(layout: ModelLayout, tx: optax.GradientTransformation, rules: R
     return StateLayout(shardings, abstract)
 
 
-def init_state_fn(task: Task, cfg: Config, tx: optax.GradientTransformation,
+def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
                   layout: StateLayout) -> Callable[[], TrainState]:
-    """A jitted initializer whose outputs land directly in their shardings."""
+    """A jitted initializer (model from `seed`, `train.seed`) whose outputs land directly in
+    their shardings."""
 
     def init() -> TrainState:
-        model = task.build_model(nnx.Rngs(cfg.train.seed))
+        model = task.build_model(nnx.Rngs(seed))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(params))

@@ -3,8 +3,9 @@
 Invariants
 - At most one live lease per run directory. Rank 0 takes it before anything of the run is
   written there (config.yaml, logs, events, metrics, checkpoints), and every rank learns rank
-  0's decision over MPI (or the jax.distributed key-value store): a refused run ends on all
-  ranks with status 2, and only rank 0 prints the one line that names the holder.
+  0's decision (`spmd.comm.RankGroup`: MPI, else the jax.distributed key-value store, within
+  launch.barrier_timeout_s): a refused run ends on all ranks with status 2, and only rank 0
+  prints the one line that names the holder.
 - Creation is an atomic link(2) of a fully written, fsynced temp file onto LEASE_NAME, which
   fails when the name exists; a reader never sees a partial lease. No flock: link and rename
   are atomic on local file systems, NFS (with the usual st_nlink check when link's reply is
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from spmd.comm.rank_group import RankGroup
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import LaunchEnv
 from spmd.launch.env import job_identity
@@ -49,7 +51,6 @@ from spmd.launch.watchdog import launcher_from, process_alive, process_start_tim
 log = logging.getLogger("spmd.rundir.lease")
 
 LEASE_NAME = "lease.json"
-_DECISION_KEY = "spmd/lease/decision"
 
 
 class LeaseHeld(SpmdError):
@@ -242,7 +243,9 @@ class RunLease:
                 previous = take(run_dir, me, stale_s)
             except BaseException as e:  # every rank must hear of it, whatever it is
                 decision, error = "refused", e
-        decision = _share(env, decision, timeout_s)
+        group = RankGroup(env, timeout_s, "launch.barrier_timeout_s", "lease")
+        decision = group.broadcast_str(decision, 0, "learn whether rank 0 got the run "
+                                       "directory's lease")
         if error is not None:
             raise error
         if decision != "ok":  # rank 0 prints the one line that names the holder
@@ -294,37 +297,3 @@ class RunLease:
             self.path.unlink(missing_ok=True)
             log.info("released the lease %s", self.path)
         self.me = None
-
-
-def _kv_client() -> Any:
-    try:
-        from jax._src import distributed
-
-        return distributed.global_state.client
-    except (ImportError, AttributeError):
-        return None
-
-
-def _share(env: LaunchEnv, decision: str, timeout_s: float) -> str:
-    """Rank 0's `decision` on every rank (MPI broadcast, else the jax.distributed store)."""
-    if env.size == 1:
-        return decision
-    from spmd.launch import mpi
-    from spmd.launch.startup import current
-
-    boot = current()
-    comm = boot[1] if boot else None
-    what = "learn whether rank 0 got the run directory's lease"
-    if comm is not None and comm.Get_size() == env.size:
-        return mpi.bcast_str(comm, decision, 0, timeout_s, env.who, what)
-    client = _kv_client()
-    if client is None:
-        raise SpmdError(f"{env.who}: cannot {what}: neither MPI nor jax.distributed is up")
-    if env.rank == 0:
-        client.key_value_set(_DECISION_KEY, decision)
-        return decision
-    try:
-        return str(client.blocking_key_value_get(_DECISION_KEY, int(timeout_s * 1000)))
-    except Exception as e:  # the client raises its own runtime error type
-        raise SpmdError(f"{env.who}: could not {what} within {timeout_s:.0f} s "
-                        f"(launch.barrier_timeout_s): {str(e).strip().splitlines()[0]}") from e

@@ -5,7 +5,7 @@ Reads RUN_DIR/metrics.jsonl (train records have `loss`; evaluation records have
 task's `plot(out_dir, sample)` draws from RUN_DIR/eval_sample.npz (written at each
 evaluation; `spmd.tasks.figures.plot_fields` draws 2-D or 3-D fields).
 A resumed run may log a step twice: the last record of each step wins. `step` counts
-updates done (spmd.train.hooks).
+updates done (spmd.loop.hooks).
 """
 
 from __future__ import annotations

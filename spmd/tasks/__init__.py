@@ -1,4 +1,10 @@
-"""Tasks: model + loss + batch layout + data source + config, one module per model family."""
+"""Tasks: model + loss + batch layout + data source + config, one module per model family.
+
+Owns the `Task` interface a user subclasses (`base`), finding a task by `module:Class` or
+registered name (`registry`), the built-in tasks and the figures a task draws (`figures`).
+May import `spmd.data`, `spmd.models`, `spmd.sharding` and the config schema; never the
+engine, the loop or config loading (which imports this layer to validate `model:`).
+"""
 
 from spmd.data.batch import BatchField, DataSource
 from spmd.tasks.base import ModelConfig, Task

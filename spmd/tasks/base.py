@@ -3,14 +3,16 @@
 The trainer knows only this interface, so the same loop trains a language model, a
 regressor, a neural operator or a user's own model. A task declares the pydantic class
 that validates the YAML `model:` section as its class attribute `Config`; the trainer
-hands it the validated run config, and the task reads its own section as `self.cfg.model`.
+hands it the validated run config, and the task reads its own section as `self.model_cfg`
+(typed as that `Config` when the task names it, `class MyTask(spmd.Task[MyConfig])`) or,
+untyped, as `self.cfg.model`.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar, cast
 
 import jax
 from flax import nnx
@@ -19,14 +21,25 @@ from pydantic import BaseModel
 from spmd.config.schema import Config, ModelConfig
 from spmd.data.batch import BatchField, DataSource
 
+ModelCfg = TypeVar("ModelCfg", bound=BaseModel)
 
-class Task(abc.ABC):
-    """What the trainer needs from a model family. Subclass it, and name it in `task:`."""
+
+class Task(abc.ABC, Generic[ModelCfg]):
+    """What the trainer needs from a model family. Subclass it, and name it in `task:`.
+
+    `Task[MyConfig]` types `model_cfg` as the task's own `Config` (set both); a plain
+    `Task` subclass works the same, with `model_cfg` typed as any pydantic model.
+    """
 
     Config: ClassVar[type[BaseModel]] = ModelConfig
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+
+    @property
+    def model_cfg(self) -> ModelCfg:
+        """This task's `model:` section, validated by its `Config` (the run config's `model`)."""
+        return cast(ModelCfg, self.cfg.model)
 
     @abc.abstractmethod
     def build_model(self, rngs: nnx.Rngs) -> nnx.Module: ...

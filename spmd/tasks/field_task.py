@@ -29,7 +29,7 @@ import numpy as np
 
 from spmd.data.arrays import ArraySource, write_arrays
 from spmd.data.batch import BatchField
-from spmd.tasks.base import Task
+from spmd.tasks.base import ModelCfg, Task
 
 log = logging.getLogger("spmd.tasks.field_task")
 
@@ -41,8 +41,12 @@ def relative_l2(pred: jax.Array, truth: jax.Array) -> jax.Array:
     return diff / jnp.maximum(jnp.sqrt(jnp.sum(truth**2, axis=axes)), 1e-12)
 
 
-class FieldTask(Task):
-    """Input field -> target field, both of shape `field_shape()` with logical `field_axes`."""
+class FieldTask(Task[ModelCfg]):
+    """Input field -> target field, both of shape `field_shape()` with logical `field_axes`.
+
+    Generic in its model config as `Task` is: `spmd.FieldTask[HeatConfig]` types
+    `self.model_cfg`; a plain `spmd.FieldTask` subclass works the same, untyped.
+    """
 
     input_name: str = "input"
     target_name: str = "target"

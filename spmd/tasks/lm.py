@@ -86,12 +86,8 @@ def resolve_attention(m: TransformerConfig) -> Literal["xla", "cudnn"]:
     return m.attention
 
 
-class LanguageModelTask(Task):
+class LanguageModelTask(Task[TransformerConfig]):
     Config = TransformerConfig
-
-    @property
-    def model_cfg(self) -> TransformerConfig:
-        return self.cfg.model
 
     def build_model(self, rngs: nnx.Rngs) -> TransformerLM:
         m = self.model_cfg

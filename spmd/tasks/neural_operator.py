@@ -107,12 +107,8 @@ class FnoConfig(ModelConfig):
         return self
 
 
-class OperatorTask(Task):
+class OperatorTask(Task[FnoConfig]):
     Config = FnoConfig
-
-    @property
-    def model_cfg(self) -> FnoConfig:
-        return self.cfg.model
 
     def build_model(self, rngs: nnx.Rngs) -> FNO2d:
         m = self.model_cfg

@@ -25,12 +25,8 @@ class MlpConfig(ModelConfig):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
-class RegressionTask(Task):
+class RegressionTask(Task[MlpConfig]):
     Config = MlpConfig
-
-    @property
-    def model_cfg(self) -> MlpConfig:
-        return self.cfg.model
 
     def build_model(self, rngs: nnx.Rngs) -> Mlp:
         m = self.model_cfg

@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from spmd.checkpoint import make_checkpointer
+    from spmd.checkpoint import create_checkpointer
     from spmd.checkpoint.layout import leaf_paths
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
     out_path = Path(out)
     events = EventLog(out_path.with_name(out_path.stem + f".events{env.rank}.jsonl"), env.rank)
-    ckpt = make_checkpointer(cfg, env, events)
+    ckpt = create_checkpointer(cfg.checkpoint, run_dir=cfg.run.dir, env=env, events=events)
     restored = ckpt.restore(rt.state.abstract)
     if restored is None:
         print(f"rank {env.rank}: nothing to restore", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Real ranks under mpiexec: resolution with MPI, and the PreemptionWatcher's agreement."""
+"""Real ranks under mpiexec: resolution with MPI, and the stop vote's agreement (StopVote)."""
 
 from __future__ import annotations
 
@@ -63,11 +63,13 @@ def test_mpi4py_path(tmp_path):
 
 WATCHER_SCRIPT = r"""
 import json, os, signal, sys, time
+from spmd.comm import RankGroup, StopVote
 from spmd.errors import ExitCode
 from spmd.launch import PreemptionWatcher, bootstrap
 env = bootstrap(60, 60)
 halt = os.environ.get("HALT_FILE")
-watcher = PreemptionWatcher.install(halt_file=halt, timeout_s=30)
+watcher = StopVote(PreemptionWatcher.install(halt_file=halt, env=env),
+                   RankGroup(env, 30, "launch.barrier_timeout_s", "preempt"))
 if env.rank == 0 and os.environ.get("DEADLINE_IN_S"):
     watcher.deadline = time.time() + float(os.environ["DEADLINE_IN_S"])
 kill_rank, kill_step = int(os.environ.get("KILL_RANK", -1)), int(os.environ.get("KILL_STEP", -1))
@@ -130,9 +132,11 @@ def test_deadline_known_to_rank0_stops_all(tmp_path):
 
 HANG_SCRIPT = r"""
 import sys, time
+from spmd.comm import RankGroup, StopVote
 from spmd.launch import LaunchError, PreemptionWatcher, bootstrap
 env = bootstrap(60, 60)
-watcher = PreemptionWatcher.install(timeout_s=2)
+watcher = StopVote(PreemptionWatcher.install(env=env),
+                   RankGroup(env, 2, "launch.barrier_timeout_s", "preempt"))
 try:
     for step in range(100):
         if env.rank == 1 and step == 5:

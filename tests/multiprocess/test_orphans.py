@@ -1,8 +1,9 @@
 """One writer per run directory and ranks that never outlive their launcher, on real processes.
 
 `spmd run -n 2` (2 ranks x 4 CPU devices) of the tiny MLP; a save held in flight by the
-SPMD_CKPT_TEST_STALL hook keeps a run alive while the test interferes with it. Every resumed
-run is compared bit for bit with one uninterrupted reference run.
+SPMD_CKPT_TEST_STALL fault (tests/helpers/fault_injection.py) keeps a run alive while the
+test interferes with it. Every resumed run is compared bit for bit with one uninterrupted
+reference run.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_launch_run import need_mpiexec, rank_pids
-from test_resume import CKPT, final_blobs, last_loss
 
 from spmd.errors import ExitCode
 from tests.helpers.checkpoint_worker import (
@@ -30,6 +29,9 @@ from tests.helpers.checkpoint_worker import (
     wait_for,
 )
 from tests.helpers.env import run_spmd
+from tests.helpers.fault_injection import fault_env
+from tests.multiprocess.test_launch_run import need_mpiexec, rank_pids
+from tests.multiprocess.test_resume import CKPT, final_blobs, last_loss
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +50,7 @@ def start(run_dir: Path, tag: str, log: Path, *overrides: str, stall: str) -> su
     with open(log, "w") as out:
         return subprocess.Popen(train_cmd(2, run_dir, *CKPT, *overrides), stdout=out,
                                 stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                env=_env(4, SPMD_TEST_TAG=tag, SPMD_CKPT_TEST_STALL=stall))
+                                env=_env(4, SPMD_TEST_TAG=tag, **fault_env(stall=stall)))
 
 
 def in_flight(run_dir: Path, step: int) -> bool:

@@ -24,6 +24,7 @@ from tests.helpers.checkpoint_worker import (
     wait_for,
 )
 from tests.helpers.env import run_spmd
+from tests.helpers.fault_injection import fault_env
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def test_kill_9_during_a_save_resumes_bit_identical(reference, tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(train_cmd(2, run_dir, *CKPT), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-                            env=_env(4, SPMD_TEST_TAG=tag, SPMD_CKPT_TEST_STALL="9:120"))
+                            env=_env(4, SPMD_TEST_TAG=tag, **fault_env(stall="9:120")))
     tmp_index = [run_dir / "local" / "9" / f"rank{r:05d}.tmp" / "index.json" for r in (0, 1)]
     try:
         wait_for(lambda: all(p.exists() for p in tmp_index), 240,
@@ -114,7 +115,7 @@ def test_failed_host_copy_on_one_rank_fails_the_step_on_all_at_once(reference, t
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     failed = train(2, run_dir, *CKPT, "train.steps=18",
-                   SPMD_CKPT_TEST_FAIL_HOST_COPY="15:1")
+                   **fault_env(fail_host_copy="15:1"))
     assert failed.returncode != 0
     assert "step 15 was not committed to the local tier" in failed.stderr
     assert "rank 1: host copy of the snapshot of step 15 failed" in failed.stderr

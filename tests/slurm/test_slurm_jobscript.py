@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_jobscript import FAKE_RANK
 
 from spmd.errors import ExitCode
 from spmd.hpc.batch_scripts import make_request, submit, write_script
 from tests.helpers.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
+from tests.unit.test_jobscript import FAKE_RANK
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

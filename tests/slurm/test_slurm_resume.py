@@ -2,9 +2,10 @@
 
 Two jobs of the same rendered script (2 ranks via `srun --mpi=pmi2`): one runs undisturbed;
 the other gets USR1 (the job script forwards USR2 to the ranks) while a checkpoint save is
-held in flight by the SPMD_CKPT_TEST_STALL hook, so the signal always lands mid-run. It must
-save the step it stopped at, exit 75, be requeued, restore that step, and finish with the
-same final loss and the same final checkpoint bytes as the undisturbed job.
+held in flight by the SPMD_CKPT_TEST_STALL fault (tests/helpers/fault_injection.py), so the
+signal always lands mid-run. It must save the step it stopped at, exit 75, be requeued,
+restore that step, and finish with the same final loss and the same final checkpoint bytes
+as the undisturbed job.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.fault_injection import fault_env
 from tests.helpers.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -69,7 +71,8 @@ def wait_until(predicate, timeout: float, what: str, describe) -> None:
 def test_signalled_job_saves_requeues_and_resumes_bit_identical(slurm_cluster, tmp_path):  # noqa: F811
     plain_dir, preempted_dir = tmp_path / "plain", tmp_path / "preempted"
     plain = submit(slurm_cluster, plain_dir)
-    job = submit(slurm_cluster, preempted_dir, "SPMD_CKPT_TEST_STALL=10:20")
+    job = submit(slurm_cluster, preempted_dir,
+                 *(f"{k}={v}" for k, v in fault_env(stall="10:20").items()))
     describe = lambda: slurm_cluster.describe(job)  # noqa: E731
     try:
         in_flight = [preempted_dir / "local" / "10" / f"rank{r:05d}.tmp" / "index.json"

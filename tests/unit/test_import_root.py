@@ -1,4 +1,10 @@
-"""One import root: everything is `spmd.*`, and a user's own folders never shadow it."""
+"""One import root, and the layers: everything is `spmd.*`, imports point down, no circles.
+
+The layer table below is the architecture (docs/architecture.md draws it): a module may
+import modules of its own layer and of the layers below, never above, not even inside a
+function (only `if TYPE_CHECKING:` imports are exempt). Nothing of the checkout (spmd/'s
+parent folder) leaks into the package, in an editable install or a regular one.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,66 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
+
+import pytest
 
 from tests.helpers.env import REPO, clean_env
+from tests.helpers.imports import cycles, import_edges, package_modules
 
 TOP_LEVEL = ("sharding", "launch", "models", "jobscripts")
 BARE = re.compile(rf"^\s*(?:import|from)\s+({'|'.join(TOP_LEVEL)})\b", re.M)
 PROSE = re.compile(rf"\b(?:import|from)\s+({'|'.join(TOP_LEVEL)})\b")
+
+# Bottom to top. The longest matching prefix names a module's layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("spmd", "spmd.errors"),                   # the root (lazy names only) and the exit table
+    ("spmd.launch",),                          # scheduler + MPI bootstrap, signals
+    ("spmd.comm",),                            # agreement and broadcast among ranks
+    ("spmd.sharding",),                        # logical axes -> mesh axes
+    ("spmd.config", "spmd.config.schema"),     # the typed schema (a leaf)
+    ("spmd.models",),                          # reference models
+    ("spmd.data",),                            # sources and the batch feed
+    ("spmd.tasks",),                           # model + loss + data, the user's plug-in point
+    ("spmd.config.load",),                     # YAML + overrides, resolves the task
+    ("spmd.rundir",),                          # lease, metrics, plots
+    ("spmd.hpc", "spmd.jobscripts"),           # system profiles, batch scripts
+    ("spmd.engine",),                          # mesh, state, steps, runtime
+    ("spmd.checkpoint",),                      # both tiers
+    ("spmd.loop",),                            # the training loop and its hooks
+    ("spmd.aot",),                             # plan: compile ahead of time
+    ("spmd.api",),                             # spmd.train(...)
+    ("spmd.cli",),                             # the console script
+]
+# A layer's own errors module may share its name with another layer's.
+SHARED_NAMES = {"__init__", "__main__", "errors"}
 
 
 def tracked(*patterns: str) -> list:
     out = subprocess.run(["git", "ls-files", *patterns], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout.split()
     return [REPO / p for p in out]
+
+
+def layer_of(module: str) -> int:
+    best, length = None, -1
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > length:
+                best, length = rank, len(prefix)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return best
+
+
+def layer_violations(edges: dict[str, dict[str, int]], modules: dict[str, Path]) -> list[str]:
+    out = []
+    for importer, targets in sorted(edges.items()):
+        for target, line in targets.items():
+            if layer_of(target) > layer_of(importer):
+                where = modules[importer].relative_to(REPO)
+                out.append(f"{where}:{line}: {importer} (layer {LAYERS[layer_of(importer)][0]})"
+                           f" imports {target} (layer {LAYERS[layer_of(target)][0]}, above it)")
+    return out
 
 
 def test_no_code_or_doc_imports_a_bare_top_level_name():
@@ -47,7 +101,7 @@ def test_a_users_own_models_and_launch_do_not_shadow_spmd(tmp_path):
     for name in ("models", "launch", "sharding"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('user {name}')\n")
-    code = ("import spmd.models.fno, spmd.launch, spmd.sharding, spmd.train.trainer, spmd.cli\n"
+    code = ("import spmd.models.fno, spmd.launch, spmd.sharding, spmd.loop.trainer, spmd.cli\n"
             "print(spmd.launch.__file__)")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                        text=True, env=clean_env(PYTHONPATH=str(tmp_path)), timeout=120)
@@ -55,12 +109,14 @@ def test_a_users_own_models_and_launch_do_not_shadow_spmd(tmp_path):
     assert str(tmp_path) not in r.stdout
 
 
-ALLOWED = {"launch": ("launch",), "sharding": ("sharding",), "models": ("models", "sharding")}
+ALLOWED = {"launch": ("launch", "errors"), "sharding": ("sharding", "errors"),
+           "models": ("models", "sharding")}
 SPMD_IMPORT = re.compile(r"^\s*(?:from|import)\s+spmd\.(\w+)", re.M)
 
 
 def test_imports_point_one_way():
-    """launch and sharding import nothing else of spmd; models only sharding."""
+    """launch and sharding import nothing else of spmd (but its exit table); models only
+    sharding."""
     offenders = []
     for folder, allowed in ALLOWED.items():
         for path in tracked(f"{folder}/*.py"):
@@ -68,3 +124,118 @@ def test_imports_point_one_way():
                 if m.group(1) not in allowed:
                     offenders.append(f"{path.relative_to(REPO)}: {m.group(0).strip()}")
     assert not offenders, offenders
+
+
+def test_every_import_points_down_the_layers():
+    modules = package_modules(REPO)
+    assert not layer_violations(import_edges(modules), modules)
+
+
+def test_no_import_circle_between_modules():
+    """Function-local imports count; only `if TYPE_CHECKING:` imports are exempt."""
+    assert cycles(import_edges(package_modules(REPO))) == []
+
+
+def test_the_checks_catch_a_violating_import(tmp_path):
+    """The two checks above fail on an upward import and on a circle (they are not vacuous)."""
+    modules = package_modules(REPO)
+    edges = import_edges(modules)
+    edges["spmd.launch.env"] = {**edges["spmd.launch.env"], "spmd.loop.trainer": 1}
+    assert any("spmd.launch.env (layer spmd.launch) imports spmd.loop.trainer" in v
+               for v in layer_violations(edges, modules))
+    edges["spmd.sharding.rules"] = {**edges["spmd.sharding.rules"], "spmd.sharding.report": 1}
+    assert any("spmd.sharding.rules" in c and "spmd.sharding.report" in c
+               for c in cycles(edges))
+
+
+def test_module_names_are_unique_and_shadow_no_standard_module():
+    names: dict[str, list[str]] = {}
+    for module in package_modules(REPO):
+        leaf = module.rsplit(".", 1)[-1]
+        if module.count(".") and module not in ("spmd",):
+            names.setdefault(leaf, []).append(module)
+    clashes = {k: v for k, v in names.items() if len(v) > 1 and k not in SHARED_NAMES}
+    assert not clashes, clashes
+    stdlib = sorted(n for n in names if n in sys.stdlib_module_names)
+    assert not stdlib, f"modules named like the standard library's: {stdlib}"
+    files = [p for p in (REPO / "spmd").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    for package in files:  # a package is also a name: none is shared with a module
+        assert package.name not in sys.stdlib_module_names, package
+
+
+def test_spmd_keeps_few_top_level_modules_and_each_layer_says_what_it_owns():
+    top = sorted(p.name for p in (REPO / "spmd").glob("*.py"))
+    assert len(top) <= 4, top
+    for init in sorted([*(REPO / "spmd").glob("*/__init__.py"),
+                        *(REPO / f / "__init__.py" for f in TOP_LEVEL)]):
+        doc = (init.read_text().split('"""') + ["", ""])[1]
+        assert len(doc) > 40 and "import" in doc, (
+            f"{init.relative_to(REPO)}: its docstring must say what the layer owns and what it "
+            "may import")
+
+
+def test_no_subpackage_hides_a_public_name_of_spmd():
+    """`spmd.train(...)` is a function: a subpackage `spmd/train/` would replace it on the
+    `spmd` module the moment anything imported it."""
+    import spmd
+
+    children = {p.stem for p in (REPO / "spmd").iterdir()
+                if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert not children & set(spmd.__all__), children & set(spmd.__all__)
+    code = ("import spmd, spmd.loop.trainer, spmd.cli, spmd.aot.plan\n"
+            "assert callable(spmd.train), spmd.train\n"
+            "assert spmd.Stop is spmd.loop.hooks.Stop")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=clean_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+LEAK_CHECK = """
+import importlib, sys
+import spmd, spmd.cli, spmd.launch, spmd.sharding, spmd.models.fno, spmd.loop.trainer
+from spmd import jobscripts
+from importlib import resources
+assert resources.files(jobscripts).joinpath("slurm.sh.j2").is_file()
+leaked = []
+for name in ("spmd.spmd", "spmd.tests", "spmd.examples", "spmd.benchmarks", "spmd.configs"):
+    try:
+        importlib.import_module(name)
+        leaked.append(name)
+    except ModuleNotFoundError:
+        pass
+print(spmd.__file__)
+print(spmd.launch.__file__)
+print("LEAKED", *leaked)
+"""
+
+
+def _check_no_leak(env: dict[str, str], cwd: Path) -> list[str]:
+    r = subprocess.run([sys.executable, "-c", LEAK_CHECK], cwd=cwd, capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "LEAKED", lines[-1]
+    return lines[:-1]
+
+
+def test_nothing_of_the_checkout_leaks_into_the_editable_install(tmp_path):
+    spmd_file, launch_file = _check_no_leak(clean_env(), tmp_path)
+    assert Path(spmd_file).parent == REPO / "spmd"
+    assert Path(launch_file).parent == REPO / "launch"
+
+
+@pytest.mark.slow
+def test_a_regular_install_passes_the_import_root_checks(tmp_path):
+    """`pip install .` (not editable): the one import root, no leak, templates included."""
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        "--target", str(target), str(REPO)], capture_output=True, text=True,
+                       timeout=600, env=clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("models", "launch", "sharding"):  # a user's own folders shadow nothing
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('user {name}')\n")
+    env = clean_env(PYTHONPATH=f"{target}:{tmp_path}")
+    spmd_file, launch_file = _check_no_leak(env, tmp_path)
+    assert Path(spmd_file).is_relative_to(target), spmd_file
+    assert Path(launch_file) == target / "spmd" / "launch" / "__init__.py"

@@ -3,7 +3,9 @@
 `Trainer(cfg).run()` bootstraps this rank, restores the newest committed checkpoint (or
 initializes), then loops: one jitted update, then the hooks that are due. Everything
 between updates (preemption, metrics, evaluation, checkpoints, plots, a user's own) is a
-hook added with `add_hook(fn, every=N)`; see spmd.train.hooks for the calling convention.
+hook added with `add_hook(fn, every=N)`; see spmd.loop.hooks for the calling convention.
+A hook stops the run by returning a `Stop`; the trainer alone turns that into the exit
+status (spmd.errors.ExitCode) and the `stopped` or `preempted` event.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 from jax.experimental import multihost_utils
 
-from spmd.checkpoint import make_checkpointer
+from spmd.checkpoint import create_checkpointer
+from spmd.comm import RankGroup, StopVote
 from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import Runtime, build_runtime
+from spmd.errors import ExitCode
 from spmd.launch import (
     HALT_FILE_NAME,
     LaunchEnv,
@@ -30,10 +35,7 @@ from spmd.launch import (
     job_end_time,
     shutdown,
 )
-from spmd.rundir.lease import RunLease
-from spmd.rundir.metrics import EventLog, setup_logging
-from spmd.tasks import Task
-from spmd.train.builtin_hooks import (
+from spmd.loop.builtin_hooks import (
     CheckpointHook,
     EvalHook,
     MetricsHook,
@@ -41,9 +43,19 @@ from spmd.train.builtin_hooks import (
     PreemptionHook,
     StepClock,
 )
-from spmd.train.hooks import Hook, HookFn, StepInfo
+from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
+from spmd.rundir.lease import RunLease
+from spmd.rundir.metrics import EventLog, setup_logging
+from spmd.tasks import Task
 
-log = logging.getLogger("spmd.train.trainer")
+log = logging.getLogger("spmd.loop.trainer")
+
+
+class Stopped(NamedTuple):
+    """A stop the trainer collected at a step: the hook that asked, and its request."""
+
+    hook: str
+    request: Stop
 
 
 class Trainer:
@@ -52,11 +64,14 @@ class Trainer:
     def __init__(self, cfg: Config, task: Task | None = None):
         self.cfg = cfg
         self.task = task
-        self.exit_code = 0
+        self.exit_code: int = ExitCode.OK  # set by `fit` from how the run ended
         self._user_hooks: list[Hook] = []
 
     def add_hook(self, fn: HookFn, *, every: int = 1, name: str = "") -> Hook:
-        """Call `fn(StepInfo)` after every `every`-th update and at the run's last step."""
+        """Call `fn(StepInfo)` after every `every`-th update and at the run's last step.
+
+        `fn` may return a `Stop` to end the run after this step (spmd.loop.hooks).
+        """
         hook = Hook(fn, every, name)
         self._user_hooks.append(hook)
         return hook
@@ -111,7 +126,7 @@ class Trainer:
         """Train on an initialized JAX runtime; returns the process exit status."""
         cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
         rt = self.build(env)
-        checkpointer = make_checkpointer(cfg, env, events)
+        checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
         restored = checkpointer.restore(rt.state.abstract)
         if restored is not None:
             state, start = restored.state, restored.step
@@ -124,63 +139,95 @@ class Trainer:
         clock = StepClock(start)
         metrics = MetricsHook(rt, run_dir, events, is_main, clock)
         hooks = self._hooks(rt, env, events, checkpointer, metrics)
-        info = StepInfo(step=start, state=state, metrics={}, runtime=rt, trainer=self,
-                        final=start >= cfg.train.steps)
+        info = StepInfo(step=start, state=state, metrics={}, final=start >= cfg.train.steps)
+        stopped: Stopped | None = None
         try:
             for hook in hooks:
                 hook.start(info)
             compiled, seconds = rt.compile_train_step()
             events.emit("compiled", seconds=round(seconds, 3))
             clock.lap(start)  # compile time is not step time
-            info = self._loop(compiled, rt, state, start, hooks) or info
+            info, stopped = self._loop(compiled, rt, info, hooks)
         except BaseException:
             metrics.close()
             raise
         for hook in hooks:
             hook.close(info)
-        if info.stop_reason is not None:
-            events.emit("preempted", step=info.step, reason=info.stop_reason,
-                        exit_code=self.exit_code)
-        else:
-            events.emit("finished", step=info.step)
+        self.exit_code = self._end(info.step, stopped, events)
         return self.exit_code
 
-    def _loop(self, compiled: Callable, rt: Runtime, state, start: int,
-              hooks: list[Hook]) -> StepInfo | None:
-        """Updates from `start` to train.steps (or a stop); the last step's info."""
-        source, total, info = rt.task.train_source(), self.cfg.train.steps, None
-        for step in range(start, total):
+    def _loop(self, compiled: Callable, rt: Runtime, info: StepInfo,
+              hooks: list[Hook]) -> tuple[StepInfo, Stopped | None]:
+        """Updates from `info.step` to train.steps, or until a hook stops the run: the last
+        step's info (`info` itself when no update was left) and the stop, if any."""
+        source, total, state = rt.task.train_source(), self.cfg.train.steps, info.state
+        for step in range(info.step, total):
             state, metrics = compiled(state, rt.feed.global_batch(source, step))
-            info = StepInfo(step=step + 1, state=state, metrics=metrics, runtime=rt,
-                            trainer=self, final=step + 1 == total)
-            for hook in hooks:
-                if hook.due(info):
-                    hook.fn(info)
-            if info.stop_reason is not None:
-                break
-        return info
+            info = StepInfo(step=step + 1, state=state, metrics=metrics, final=step + 1 == total)
+            info, stopped = self._after_update(info, hooks)
+            if stopped is not None:
+                return info, stopped
+        return info, None
+
+    @staticmethod
+    def _after_update(info: StepInfo, hooks: list[Hook]) -> tuple[StepInfo, Stopped | None]:
+        """The due hooks, in order. The first stop request makes the step final for the
+        hooks after it; a later request at the same step is logged and ignored."""
+        stopped: Stopped | None = None
+        for hook in hooks:
+            if not hook.due(info):
+                continue
+            request = hook(info)
+            if request is None:
+                continue
+            if stopped is None:
+                stopped, info = Stopped(hook.name, request), info.as_final()
+            else:
+                log.info("hook %s also asked to stop at step %d (%s); %s's stop stands",
+                         hook.name, info.step, request.reason, stopped.hook)
+        return info, stopped
+
+    @staticmethod
+    def _end(step: int, stopped: Stopped | None, events: EventLog) -> int:
+        """The exit status for how the run ended, and its last event: the one place a stop
+        becomes a status (spmd.errors.ExitCode)."""
+        if stopped is None:
+            events.emit("finished", step=step)
+            return ExitCode.OK
+        hook, request = stopped
+        if request.preempted:
+            events.emit("preempted", step=step, reason=request.reason,
+                        exit_code=ExitCode.PREEMPTED)
+            return ExitCode.PREEMPTED
+        log.info("hook %s stopped the run at step %d: %s", hook, step, request.reason)
+        events.emit("stopped", step=step, hook=hook, reason=request.reason,
+                    exit_code=ExitCode.OK)
+        return ExitCode.OK
 
     def _hooks(self, rt: Runtime, env: LaunchEnv, events: EventLog, checkpointer,
                metrics: MetricsHook) -> list[Hook]:
         """Built-in hooks around the user's: preemption first (it makes a step final), then
         metrics, evaluation, the user's hooks, the checkpoint, the plots."""
         cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
-        watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME,
-                                            timeout_s=cfg.launch.barrier_timeout_s, env=env)
+        watcher = StopVote(PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME, env=env),
+                           RankGroup(env, cfg.launch.barrier_timeout_s,
+                                     "launch.barrier_timeout_s", "preempt"))
         end_time = job_end_time(env, os.environ)
         if end_time is not None:
             watcher.deadline = end_time - cfg.launch.walltime_margin_s
             log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
                      cfg.launch.walltime_margin_s)
-        hooks = [Hook(PreemptionHook(watcher), 1, "preemption"),
+        preemption = PreemptionHook(watcher)
+        hooks = [Hook(preemption, 1, "preemption"),
                  Hook(metrics, cfg.run.log_every, "metrics")]
         if rt.eval_step is not None and cfg.train.eval_every:
-            hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main),
+            hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main, preemption),
                               cfg.train.eval_every, "evaluation"))
         hooks += self._user_hooks
         hooks.append(Hook(CheckpointHook(checkpointer), 1, "checkpoint"))
         if is_main and cfg.run.plots:
-            hooks.append(Hook(PlotsHook(run_dir, events), max(cfg.train.steps, 1), "plots"))
+            hooks.append(Hook(PlotsHook(run_dir, events, rt.task, preemption),
+                              max(cfg.train.steps, 1), "plots"))
         return hooks
 
 

@@ -1,8 +1,11 @@
 """The built-in hooks: preemption, metrics, evaluation, checkpointing, plots.
 
-They use the same `Trainer.add_hook` mechanism as a user's hooks; the trainer adds them
-in this order, so a preemption decided at a step makes that step final for the others
-(metrics are logged, a checkpoint is forced). Evaluation time is not counted as step time.
+They use the same `Hook` protocol as a user's hooks (spmd.loop.hooks): the preemption hook
+stops the run by returning a `Stop`, as a user's hook would, and the trainer, not the hook,
+turns it into the exit status. Each hook is given what it needs when it is built (the
+runtime, the run directory, the event log, the preemption hook whose stop a final
+evaluation and the plots skip); none reads or writes another's state through `StepInfo`.
+Evaluation time is not counted as step time.
 """
 
 from __future__ import annotations
@@ -10,17 +13,17 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 import jax
 import numpy as np
 
 from spmd.engine.runtime import Runtime
-from spmd.errors import ExitCode
-from spmd.launch import PreemptionWatcher
+from spmd.loop.hooks import StepInfo, Stop
 from spmd.rundir.metrics import EventLog, JsonlWriter, Progress
-from spmd.train.hooks import StepInfo
+from spmd.tasks import Task
 
-log = logging.getLogger("spmd.train.trainer")
+log = logging.getLogger("spmd.loop.trainer")
 
 SAMPLES_KEPT = 4  # examples of an eval batch kept in eval_sample.npz
 
@@ -41,16 +44,29 @@ class StepClock:
         return seconds
 
 
+class StopSource(Protocol):
+    """What the preemption hook asks: a collective "stop now?" and, once yes, why."""
+
+    reason: str | None
+
+    def should_stop(self, step: int) -> bool: ...
+
+
 class PreemptionHook:
-    """Every step, all ranks agree whether to stop (signal, halt file, wall time)."""
+    """Every step, all ranks agree whether to stop (signal, halt file, wall time).
 
-    def __init__(self, watcher: PreemptionWatcher):
-        self.watcher = watcher
+    Asks for a preempted stop (save, exit 75) the first step `source` says so; `stop` keeps
+    that request for the hooks that spend a stopping run's grace time on the save only.
+    """
 
-    def __call__(self, info: StepInfo) -> None:
-        if self.watcher.should_stop(info.step):
-            info.final, info.stop_reason = True, self.watcher.reason or "preempted"
-            info.trainer.exit_code = ExitCode.PREEMPTED
+    def __init__(self, source: StopSource):
+        self.source = source
+        self.stop: Stop | None = None
+
+    def __call__(self, info: StepInfo) -> Stop | None:
+        if self.stop is None and self.source.should_stop(info.step):
+            self.stop = Stop(self.source.reason or "preempted", preempted=True)
+        return self.stop
 
 
 class MetricsHook:
@@ -118,8 +134,9 @@ class EvalHook:
     """Evaluates at step 0 of a fresh run, every train.eval_every updates and at the end."""
 
     def __init__(self, rt: Runtime, run_dir: Path, events: EventLog, metrics: MetricsHook,
-                 is_main: bool):
+                 is_main: bool, preemption: PreemptionHook | None = None):
         self.rt, self.events, self.metrics = rt, events, metrics
+        self.preemption = preemption
         self.sample_path = run_dir / "eval_sample.npz" if is_main else None
 
     def _evaluate(self, info: StepInfo) -> None:
@@ -134,14 +151,14 @@ class EvalHook:
             self._evaluate(info)  # the baseline every later evaluation is compared with
 
     def __call__(self, info: StepInfo) -> None:
-        if info.stop_reason is None:  # a stopping run spends its grace time on the save
+        if not preempted(self.preemption):  # a stopping run spends its grace time on the save
             self._evaluate(info)
 
 
 class CheckpointHook:
     """Offers every step to the checkpointer (its policy decides); forces a save at the end."""
 
-    def __init__(self, checkpointer):
+    def __init__(self, checkpointer) -> None:
         self.checkpointer = checkpointer
 
     def __call__(self, info: StepInfo) -> None:
@@ -152,18 +169,26 @@ class CheckpointHook:
 
 
 class PlotsHook:
-    """Rank 0 draws the generic curves and the task's own figures when training finishes."""
+    """Rank 0 draws the generic curves and the task's own figures when training finishes
+    (or a hook stopped it cleanly); a preempted run leaves them to the job that finishes."""
 
-    def __init__(self, run_dir: Path, events: EventLog):
-        self.run_dir, self.events = run_dir, events
+    def __init__(self, run_dir: Path, events: EventLog, task: Task,
+                 preemption: PreemptionHook | None = None):
+        self.run_dir, self.events, self.task = run_dir, events, task
+        self.preemption = preemption
 
     def __call__(self, info: StepInfo) -> None:
         pass
 
     def close(self, info: StepInfo) -> None:
-        if info.stop_reason is not None:
+        if preempted(self.preemption):
             return
         from spmd.rundir.plots import make_plots
 
-        files = make_plots(self.run_dir, info.runtime.task)
+        files = make_plots(self.run_dir, self.task)
         self.events.emit("plotted", files=[p.name for p in files])
+
+
+def preempted(hook: PreemptionHook | None) -> bool:
+    """Whether `hook` (the run's preemption hook, if any) has asked to stop."""
+    return hook is not None and hook.stop is not None

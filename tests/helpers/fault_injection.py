@@ -1,0 +1,169 @@
+"""Fault injection for tests: the one place that makes a real run misbehave on purpose.
+
+The multi-process tests need a checkpoint save that stays in flight long enough to kill or
+signal the job in the middle of it, and a rank whose host copy of a snapshot fails. spmd
+itself knows nothing of this: the faults wrap two ordinary methods of the checkpoint layer
+from outside, in the test's child processes only.
+
+Faults, and the variables that switch them on (the values are compared with the step and
+rank of each save):
+
+    SPMD_CKPT_TEST_STALL=STEP:SECONDS      every rank holds its local-tier save of STEP for
+                                           SECONDS, after its data and index are written to
+                                           `<local_dir>/STEP/rank<r>.tmp/` and before the
+                                           partner exchange and the commit (wraps
+                                           `spmd.checkpoint.local.LocalTier._write_own`)
+    SPMD_CKPT_TEST_FAIL_HOST_COPY=STEP:RANK  RANK's host copy of the snapshot of STEP raises,
+                                           as a failed device-to-host copy would (wraps
+                                           `spmd.checkpoint.snapshot.Snapshot.pieces`)
+
+How they are switched on: `fault_env(stall="9:120")` returns the environment entries to add
+to a child's environment: the variable, and `tests/helpers/inject/` in front of PYTHONPATH.
+That folder's `sitecustomize.py` loads this file in every Python the child starts (the
+`spmd run` launcher and each rank under mpiexec or srun alike, since they inherit the
+environment), and `install()` wraps the methods when their modules are first imported, so
+nothing is imported early and a process without the variables is left untouched. With a
+Slurm job, pass the same entries as `spmd jobscript --env NAME=VALUE`.
+
+This file is loaded by path from `sitecustomize`, before the checkout is on sys.path: it
+imports only the standard library at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+STALL = "SPMD_CKPT_TEST_STALL"
+FAIL_HOST_COPY = "SPMD_CKPT_TEST_FAIL_HOST_COPY"
+INJECT_DIR = Path(__file__).resolve().parent / "inject"
+
+log = logging.getLogger("spmd.checkpoint")
+
+
+def fault_env(*, stall: str | None = None, fail_host_copy: str | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment entries that switch the named faults on in a child process and its ranks.
+
+    `stall="STEP:SECONDS"`, `fail_host_copy="STEP:RANK"`. PYTHONPATH is this process's
+    (`environ`, default os.environ) with the injecting folder in front.
+    """
+    env = {}
+    if stall is not None:
+        _stall_spec(stall)
+        env[STALL] = stall
+    if fail_host_copy is not None:
+        _fail_spec(fail_host_copy)
+        env[FAIL_HOST_COPY] = fail_host_copy
+    if env:
+        current = (os.environ if environ is None else environ).get("PYTHONPATH", "")
+        env["PYTHONPATH"] = os.pathsep.join([str(INJECT_DIR), *([current] if current else [])])
+    return env
+
+
+def _stall_spec(spec: str) -> tuple[int, float]:
+    step, sep, seconds = spec.partition(":")
+    if not sep:
+        raise ValueError(f"{STALL}={spec!r} is not STEP:SECONDS")
+    return int(step), float(seconds)
+
+
+def _fail_spec(spec: str) -> tuple[int, int]:
+    step, sep, rank = spec.partition(":")
+    if not sep:
+        raise ValueError(f"{FAIL_HOST_COPY}={spec!r} is not STEP:RANK")
+    return int(step), int(rank)
+
+
+# ------------------------------------------------------------------ the faults
+
+
+def _patch_stall(module: ModuleType, at: int, seconds: float) -> None:
+    """LocalTier._write_own, then a sleep when it wrote step `at` without error."""
+    original = module.LocalTier._write_own
+
+    @functools.wraps(original)
+    def write_own(self: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, step, *args, **kwargs)
+        if step == at and out[2] is None:
+            log.warning("%s: holding the save of step %d for %g s", STALL, step, seconds)
+            time.sleep(seconds)
+        return out
+
+    write_own.fault = STALL  # type: ignore[attr-defined]
+    module.LocalTier._write_own = write_own
+
+
+def _patch_fail_host_copy(module: ModuleType, at: int, rank: int) -> None:
+    """Snapshot.pieces raises on rank `rank` for step `at`."""
+    original = module.Snapshot.pieces
+
+    @functools.wraps(original)
+    def pieces(self: Any, pids: Sequence[Any]) -> Any:
+        if (self.step, self.owner.rank) == (at, rank):
+            raise RuntimeError(f"{FAIL_HOST_COPY}: injected failure")
+        return original(self, pids)
+
+    pieces.fault = FAIL_HOST_COPY  # type: ignore[attr-defined]
+    module.Snapshot.pieces = pieces
+
+
+# ------------------------------------------------------------------ installing
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch on a module right after its first import (so nothing is imported early)."""
+
+    def __init__(self, patches: dict[str, list[Callable[[ModuleType], None]]]):
+        self.patches = patches
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        patches = self.patches.pop(fullname, None)
+        if patches is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            for patch in patches:
+                patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def install(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Switch on the faults whose variables are set; returns their names.
+
+    A module already imported is patched at once; any other when it is first imported.
+    """
+    environ = os.environ if environ is None else environ
+    patches: dict[str, list[Callable[[ModuleType], None]]] = {}
+    if environ.get(STALL):
+        at, seconds = _stall_spec(environ[STALL])
+        patches.setdefault("spmd.checkpoint.local", []).append(
+            lambda m: _patch_stall(m, at, seconds))
+    if environ.get(FAIL_HOST_COPY):
+        at_step, rank = _fail_spec(environ[FAIL_HOST_COPY])
+        patches.setdefault("spmd.checkpoint.snapshot", []).append(
+            lambda m: _patch_fail_host_copy(m, at_step, rank))
+    names = [n for n in (STALL, FAIL_HOST_COPY) if environ.get(n)]
+    for name in [n for n in patches if n in sys.modules]:
+        for patch in patches.pop(name):
+            patch(sys.modules[name])
+    if patches:
+        sys.meta_path.insert(0, _AfterImport(patches))
+    return names
