@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 from jax.experimental import multihost_utils
 
-from spmd.checkpoint import create_checkpointer
+from spmd.checkpoint import Checkpointer, create_checkpointer
 from spmd.comm import RankGroup, StopVote
 from spmd.config.load import build_task
 from spmd.config.schema import Config
@@ -204,20 +204,21 @@ class Trainer:
                     exit_code=ExitCode.OK)
         return ExitCode.OK
 
-    def _hooks(self, rt: Runtime, env: LaunchEnv, events: EventLog, checkpointer,
+    def _hooks(self, rt: Runtime, env: LaunchEnv, events: EventLog, checkpointer: Checkpointer,
                metrics: MetricsHook) -> list[Hook]:
         """Built-in hooks around the user's: preemption first (it makes a step final), then
         metrics, evaluation, the user's hooks, the checkpoint, the plots."""
         cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
-        watcher = StopVote(PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME, env=env),
-                           RankGroup(env, cfg.launch.barrier_timeout_s,
-                                     "launch.barrier_timeout_s", "preempt"))
+        # What this rank sees (signals, the halt file, the deadline), agreed among all ranks.
+        watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME, env=env)
+        stop_vote = StopVote(watcher, RankGroup(env, cfg.launch.barrier_timeout_s,
+                                                "launch.barrier_timeout_s", "preempt"))
         end_time = job_end_time(env, os.environ)
         if end_time is not None:
-            watcher.deadline = end_time - cfg.launch.walltime_margin_s
+            stop_vote.deadline = end_time - cfg.launch.walltime_margin_s
             log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
                      cfg.launch.walltime_margin_s)
-        preemption = PreemptionHook(watcher)
+        preemption = PreemptionHook(stop_vote)
         hooks = [Hook(preemption, 1, "preemption"),
                  Hook(metrics, cfg.run.log_every, "metrics")]
         if rt.eval_step is not None and cfg.train.eval_every:

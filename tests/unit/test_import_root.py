@@ -9,6 +9,7 @@ parent folder) leaks into the package, in an editable install or a regular one.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -128,12 +129,15 @@ def test_imports_point_one_way():
 
 def test_every_import_points_down_the_layers():
     modules = package_modules(REPO)
-    assert not layer_violations(import_edges(modules), modules)
+    violations = layer_violations(import_edges(modules), modules)
+    assert not violations, "imports that point up the layers:\n" + "\n".join(violations)
 
 
 def test_no_import_circle_between_modules():
     """Function-local imports count; only `if TYPE_CHECKING:` imports are exempt."""
-    assert cycles(import_edges(package_modules(REPO))) == []
+    circles = cycles(import_edges(package_modules(REPO)))
+    assert not circles, "modules that import each other, directly or not:\n" + "\n".join(
+        " <-> ".join(circle) for circle in circles)
 
 
 def test_the_checks_catch_a_violating_import(tmp_path):
@@ -227,9 +231,17 @@ def test_nothing_of_the_checkout_leaks_into_the_editable_install(tmp_path):
 @pytest.mark.slow
 def test_a_regular_install_passes_the_import_root_checks(tmp_path):
     """`pip install .` (not editable): the one import root, no leak, templates included."""
-    target = tmp_path / "site"
+    source, target = tmp_path / "source", tmp_path / "site"
+    # A copy of the working tree as git sees it: a build in the checkout would leave a build/
+    # folder whose stale modules the next wheel would carry.
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        "--target", str(target), str(REPO)], capture_output=True, text=True,
+                        "--target", str(target), str(source)], capture_output=True, text=True,
                        timeout=600, env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("models", "launch", "sharding"):  # a user's own folders shadow nothing
