@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = check_lease(args.config, args.overrides) if args.entry == "train" else None
     before = log_sizes(run_dir) if run_dir is not None else {}
     # each rank behind a shim: Hydra then sees its exit code, not a death by signal, and
-    # leaves the other ranks alive to name the lost one (see spmd/launch/rank_shim.py)
+    # leaves the other ranks alive to name the lost one (see launch/rank_shim.py)
     rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
                 *(["--debug"] if args.debug else []), args.entry, args.config, *args.overrides]
     cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec), *rank_cmd]
