@@ -57,7 +57,6 @@ class LeaseHeld(SpmdError):
     """Another live run holds the run directory's lease."""
 
 
-
 @dataclass(frozen=True)
 class Holder:
     """Who holds (or wants) a lease; written as the lease file's JSON."""

@@ -1,7 +1,8 @@
 """Figures a task draws of its own eval samples (`Task.plot`), e.g. 2-D or 3-D fields.
 
 The run directory's generic curves live in `spmd.rundir.plots`; these helpers draw what only
-a task knows how to show. matplotlib loads on first use, with the Agg backend.
+a task knows how to show. matplotlib loads on first use; the backend is the caller's
+(`spmd.rundir.plots.make_plots` picks Agg).
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ def plot_fields(fields: dict[str, np.ndarray], path: Path,
     Fields are (sample, x, y) or (sample, x, y, channel); a 3-D field (sample, x, y, z)
     shows its middle z slice.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [k for k in SAMPLE_ORDER if k in fields] + sorted(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 # What the checkpointer needs of a LaunchEnv, for a single process (in-process unit tests).
@@ -19,3 +20,11 @@ class RecordedEvents:
 
     def of(self, name):
         return [r for r in self.records if r["event"] == name]
+
+
+def one_process_checkpointer(cfg, events: RecordedEvents):
+    """The checkpointer of a test config's `checkpoint:` section, in this one process."""
+    from spmd.checkpoint import create_checkpointer
+
+    return create_checkpointer(cfg.checkpoint, run_dir=Path(cfg.run.dir), env=ONE_PROCESS,
+                               events=events)

@@ -8,7 +8,6 @@ trainer itself, and every leaf of the state must equal what the writing process 
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.env import REPO, clean_env
+from tests.helpers.records import read_jsonl
 
 FIXTURE = REPO / "tests" / "fixtures" / "checkpoint_5924438"
 
@@ -56,8 +56,7 @@ def restore(tmp_path: Path, *, keep_local: bool, devices: int) -> tuple[dict, di
                        capture_output=True, text=True, timeout=300,
                        env=clean_env(JAX_NUM_CPU_DEVICES=str(devices)))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    restored = next(e for e in events if e["event"] == "restored")
+    restored = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "restored")
     with np.load(out) as data:
         return {k: data[k] for k in data.files}, restored
 

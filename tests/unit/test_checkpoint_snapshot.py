@@ -16,23 +16,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.checkpoint import Checkpointer, create_checkpointer
 from spmd.checkpoint.snapshot import resolve_mode
 from spmd.config.load import config_from_dict
-from spmd.config.schema import Config
 from spmd.errors import ConfigError
-from tests.helpers.stand_ins import ONE_PROCESS, RecordedEvents
+from tests.helpers.stand_ins import RecordedEvents, one_process_checkpointer
 
 
 def _cfg(run_dir: Path, **ck):
     return config_from_dict({"run": {"dir": str(run_dir)},
                              "checkpoint": {"every": 1, "persistent_every": 2, "keep": 3, **ck}})
-
-
-def _checkpointer(cfg: Config, events: RecordedEvents) -> Checkpointer:
-    """The checkpointer of a test config's `checkpoint:` section, on one process."""
-    return create_checkpointer(cfg.checkpoint, run_dir=cfg.run.dir, env=ONE_PROCESS,
-                               events=events)
 
 
 def _state(mesh, seed=0):
@@ -86,7 +78,7 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
         tmp_path, meshes, mode):
     mesh, other = meshes
     events = RecordedEvents()
-    ck = _checkpointer(_cfg(tmp_path, snapshot=mode), events)
+    ck = one_process_checkpointer(_cfg(tmp_path, snapshot=mode), events)
     state = _state(mesh, seed=1)
     assert ck.restore(_abstract(state)) is None
     snapper = ck.snapshotter
@@ -127,7 +119,7 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
 
     # the committed checkpoints hold the pre-step bytes, bit for bit, in both tiers
     events = RecordedEvents()
-    ck = _checkpointer(_cfg(tmp_path, snapshot=mode), events)
+    ck = one_process_checkpointer(_cfg(tmp_path, snapshot=mode), events)
     r = ck.restore(_abstract(_state(mesh)))
     assert (r.step, r.source) == (4, "local") and _same_bytes(r.state, expected[4])
     (timing,) = events.of("restore_timing")
@@ -138,7 +130,7 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
     ck.wait()
     assert _same_bytes(r.state, expected[4])
     ck.close()
-    ck = _checkpointer(_cfg(tmp_path, snapshot=mode), RecordedEvents())
+    ck = one_process_checkpointer(_cfg(tmp_path, snapshot=mode), RecordedEvents())
     r = ck.restore(_abstract(jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(other, P())), _state(mesh))))
     assert (r.step, r.source) == (4, "persistent") and _same_bytes(r.state, expected[4])

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.checkpoint import Checkpointer, CheckpointError, create_checkpointer
+from spmd.checkpoint import CheckpointError
 from spmd.checkpoint.files import ChecksumError, read_json, write_json_atomic
 from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.listing import scan_local, scan_persistent, verify_local
@@ -25,7 +25,7 @@ from spmd.checkpoint.restore import Planner
 from spmd.config.load import config_from_dict
 from spmd.config.schema import Config
 from tests.helpers.env import run_spmd
-from tests.helpers.stand_ins import ONE_PROCESS, RecordedEvents
+from tests.helpers.stand_ins import RecordedEvents, one_process_checkpointer
 
 # ---------------------------------------------------------------- pure pieces
 
@@ -130,12 +130,6 @@ def _cfg(run_dir: Path, **ck) -> Config:
                              "checkpoint": {"every": 2, "persistent_every": 4, "keep": 2, **ck}})
 
 
-def _checkpointer(cfg: Config, events: RecordedEvents) -> Checkpointer:
-    """The checkpointer of a test config's `checkpoint:` section, on one process."""
-    return create_checkpointer(cfg.checkpoint, run_dir=cfg.run.dir, env=ONE_PROCESS,
-                               events=events)
-
-
 
 
 
@@ -170,7 +164,7 @@ def meshes():
 def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
     mesh, other = meshes
     cfg, events = _cfg(tmp_path), RecordedEvents()
-    ck = _checkpointer(cfg, events)
+    ck = one_process_checkpointer(cfg, events)
     assert ck.restore(_abstract(mesh, P("data", "tensor"))) is None
     states = {s: _state(mesh, P("data", "tensor"), seed=s) for s in range(1, 9)}
     for s in range(1, 9):
@@ -183,11 +177,11 @@ def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
     assert [s.step for s in scan_persistent(tmp_path / "checkpoints")] == [4, 8]
 
     # same layout: the local tier; another mesh: the persistent tier, resharded
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert (r.step, r.source) == (8, "local") and _same(r.state, states[8])
     ck.close()
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     r = ck.restore(_abstract(other, P(None, "data")))
     assert (r.step, r.source) == (8, "persistent") and _same(r.state, states[8])
     assert r.state["params"]["w"].sharding.spec == P(None, "data")
@@ -200,7 +194,7 @@ def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
     blob.write_bytes(bytes(data))
     assert verify_local(tmp_path / "local")[0][0].startswith(str(blob))
     events = RecordedEvents()
-    ck = _checkpointer(cfg, events)
+    ck = one_process_checkpointer(cfg, events)
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert (r.step, r.source) == (8, "persistent") and _same(r.state, states[8])
     fallback = [e for e in events.records if e["event"] == "restore_fallback"]
@@ -211,7 +205,7 @@ def test_save_restore_both_tiers_and_fallback(tmp_path, meshes):
 def test_failed_save_surfaces_and_keeps_previous_latest(tmp_path, meshes):
     mesh, _ = meshes
     cfg = _cfg(tmp_path, persistent_every=0)
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     state = _state(mesh, P("data", "tensor"), seed=2)
     ck.maybe_save(2, state)
     ck.wait()
@@ -225,7 +219,7 @@ def test_failed_save_surfaces_and_keeps_previous_latest(tmp_path, meshes):
     assert "step 4 was not committed" in str(err.value)
     ck.close()
     (tmp_path / "local" / "4").unlink()
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert r.step == 2 and _same(r.state, state)
     ck.close()
@@ -236,7 +230,7 @@ def test_sync_mode_raises_in_maybe_save(tmp_path, meshes):
     cfg = _cfg(tmp_path, persistent_every=0, **{"async": False})
     (tmp_path / "local").mkdir(parents=True)
     (tmp_path / "local" / "2").write_text("in the way")
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     with pytest.raises(CheckpointError, match="local/2"):
         ck.maybe_save(2, _state(mesh, P("data", "tensor")))
     ck.close()
@@ -248,7 +242,7 @@ def test_ckpt_cli_ls_and_verify(tmp_path, meshes):
     cfg = _cfg(run_dir)
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     for s in (2, 4):
         ck.maybe_save(s, _state(mesh, P("data", "tensor"), seed=s))
     ck.close()
@@ -272,10 +266,12 @@ def test_compressed_and_uncompressed_persistent_steps_restore_either_way(tmp_pat
     state = _state(mesh, P("data", "tensor"), seed=3)
     for save_compressed in (True, False):
         run = tmp_path / f"c{save_compressed}"
-        ck = _checkpointer(_cfg(run, every=0, compress=save_compressed), RecordedEvents())
+        ck = one_process_checkpointer(_cfg(run, every=0, compress=save_compressed),
+                                      RecordedEvents())
         ck.maybe_save(4, state)
         ck.close()
-        ck = _checkpointer(_cfg(run, every=0, compress=not save_compressed), RecordedEvents())
+        ck = one_process_checkpointer(_cfg(run, every=0, compress=not save_compressed),
+                                      RecordedEvents())
         r = ck.restore(_abstract(other, P("data", None)))
         assert (r.step, r.source) == (4, "persistent") and _same(r.state, state)
         ck.close()
@@ -284,7 +280,7 @@ def test_compressed_and_uncompressed_persistent_steps_restore_either_way(tmp_pat
 def test_failed_persistent_save_surfaces_and_keeps_previous_step(tmp_path, meshes):
     mesh, _ = meshes
     cfg = _cfg(tmp_path, every=0, persistent_every=2)
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     state = _state(mesh, P("data", "tensor"), seed=2)
     ck.maybe_save(2, state)
     ck.wait()
@@ -298,7 +294,7 @@ def test_failed_persistent_save_surfaces_and_keeps_previous_step(tmp_path, meshe
         ck.close()
     pers.unlink()
     (tmp_path / "moved").rename(pers)
-    ck = _checkpointer(cfg, RecordedEvents())
+    ck = one_process_checkpointer(cfg, RecordedEvents())
     r = ck.restore(_abstract(mesh, P("data", "tensor")))
     assert (r.step, r.source) == (2, "persistent") and _same(r.state, state)
     ck.close()

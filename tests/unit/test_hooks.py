@@ -7,7 +7,6 @@ by what it returns, and the trainer alone turns a stop into the exit status and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from spmd.errors import ExitCode
 from spmd.loop.builtin_hooks import PreemptionHook
 from spmd.loop.hooks import Hook, StepInfo, Stop
 from spmd.loop.trainer import Stopped, Trainer
+from tests.helpers.records import read_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +35,6 @@ def mlp_config(run_dir: Path, steps: int = 6) -> dict:
             "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4, "num_layers": 1},
             "train": {"steps": steps, "batch_size": 8}}
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_step_info_holds_no_back_reference_and_is_read_only():

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import yaml
 
 from tests.helpers.env import REPO, clean_env, run_spmd
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from tests.helpers.records import read_jsonl
 
 
 def test_train_writes_the_run_directory(run_dir):
