@@ -2,6 +2,7 @@
 
     python benchmarks/step_overhead.py            # full run: table, JSON line, PASS/FAIL
     python benchmarks/step_overhead.py --short    # CI smoke test: seconds, never fails on timing
+    python benchmarks/step_overhead.py --cases tensorboard   # the TensorBoard tracker's cost
 
 Two cases: a dispatch-bound tiny transformer (reported as microseconds added per
 step) and a compute-bound one (>= 20 ms per step here; target: median ratio <= 1.03).
@@ -47,6 +48,10 @@ CASES = {
     "compute": (COMPUTE, 0, 1, 100, 2),
 }
 SHORT_CASES = ("dispatch-1dev", "compute")
+# The TensorBoard tracker against trackers off: spmd's step plus its metrics hook, logging
+# every step (run.log_every=1, the worst case), compute-bound model; target <= 1.01.
+TRACKER_CASE = ("tensorboard", COMPUTE, 0, 5, 60)
+TRACKER_TARGET = 1.01
 
 
 # ------------------------------------------------------------------ plain-JAX baseline
@@ -254,6 +259,71 @@ def run_case(name: str, overrides: list[str], num_devices: int, steps: int, reps
     }
 
 
+def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: int) -> dict:
+    """spmd's step + MetricsHook with run.trackers=[tensorboard] vs [] (interleaved reps)."""
+    import dataclasses
+    import tempfile
+
+    import jax
+
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
+    from spmd.loop.builtin_hooks import MetricsHook, StepClock
+    from spmd.loop.hooks import StepInfo
+    from spmd.rundir.metrics import EventLog
+
+    cfg = load_config(CONFIG, ["run.progress=false", "run.log_every=1", *overrides])
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    batch = rt.feed.global_batch(rt.task.train_source(), 0)
+    root = Path(tempfile.mkdtemp(prefix="spmd-tracker-bench-"))
+    box, runners, hooks = {}, {}, []
+    for key, trackers in (("off", []), ("tensorboard", ["tensorboard"])):
+        run_dir = root / key
+        run_dir.mkdir()
+        run = cfg.run.model_copy(update={"dir": run_dir, "trackers": trackers})
+        rt_key = dataclasses.replace(rt, cfg=cfg.model_copy(update={"run": run}))
+        hook = MetricsHook(rt_key, run_dir, EventLog(run_dir / "events.jsonl", 0), True,
+                           StepClock(0))
+        hook.start(StepInfo(step=0, state=None, metrics={}))
+        hooks.append(hook)
+        box[key] = (rt.init(), 0)
+
+        def runner(key: str = key, hook: MetricsHook = hook) -> None:
+            state, step = box[key]
+            for _ in range(steps):
+                state, metrics = rt.train_step(state, batch)
+                step += 1
+                hook(StepInfo(step=step, state=state, metrics=metrics))
+            jax.block_until_ready(state)
+            box[key] = (state, step)
+
+        runners[key] = runner
+    times = interleaved(runners, reps=reps, warmup=1)
+    for hook in hooks:
+        hook.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(root / "tensorboard" / "tensorboard"))
+    acc.Reload()
+    logged = len(acc.Scalars("loss"))
+    per_step = {k: [x / steps for x in v] for k, v in times.items()}
+    ratio_values = paired_ratios(per_step["tensorboard"], per_step["off"])
+    m = cfg.model
+    return {
+        "case": "tensorboard", "devices": rt.mesh.size, "steps_per_rep": steps, "reps": reps,
+        "model": f"L={m.num_layers} d={m.d_model} ff={m.d_ff} T={m.seq_len} V={m.vocab_size} "
+                 f"B={cfg.train.batch_size}",
+        "off_ms": Stats.of(per_step["off"]).scaled(1e3).as_dict(4),
+        "tensorboard_ms": Stats.of(per_step["tensorboard"]).scaled(1e3).as_dict(4),
+        "paired_ratio": Stats.of(ratio_values).as_dict(4),
+        "paired_ratio_ci95": [round(x, 4) for x in median_ci(ratio_values)],
+        "added_us": Stats.of(paired_differences(per_step["tensorboard"], per_step["off"]))
+        .scaled(1e6).as_dict(1),
+        "scalars_logged_per_tag": logged,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true",
@@ -262,16 +332,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per case")
     parser.add_argument("--cases", default=None,
-                        help=f"comma-separated subset of {', '.join(CASES)} (default: all; "
-                             f"--short: {', '.join(SHORT_CASES)})")
+                        help=f"comma-separated subset of {', '.join(CASES)}, tensorboard "
+                             f"(default: all; --short: {', '.join(SHORT_CASES)})")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     mode = "short" if args.short else "full"
     results = []
-    names = args.cases.split(",") if args.cases else list(SHORT_CASES if args.short else CASES)
+    names = args.cases.split(",") if args.cases else list(
+        SHORT_CASES if args.short else (*CASES, TRACKER_CASE[0]))
+    tracker = None
     for name in names:
+        if name == TRACKER_CASE[0]:
+            _, overrides, devices, steps, reps_full = TRACKER_CASE
+            tracker = run_tracker_case(overrides, devices or args.devices, steps,
+                                       args.reps or reps_full)
+            continue
         overrides, devices, steps, reps_full, reps_short = CASES[name]
         reps = args.reps or (reps_short if args.short else reps_full)
         results.append(run_case(name, overrides, devices or args.devices, steps, reps,
@@ -294,7 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step overhead ({mode}), strategy {args.strategy}, median per-step times over "
           f"interleaved repetitions; {info.get('cpu')}, {info.get('cores')} cores, "
           f"load {info.get('loadavg_1m')}")
-    print(table(rows))
+    if len(rows) > 1:
+        print(table(rows))
+    if tracker is not None:
+        t, q = tracker, tracker["paired_ratio"]
+        lo, hi = tracker["paired_ratio_ci95"]
+        tracker["verdict"] = "PASS" if q["median"] <= TRACKER_TARGET else "FAIL"
+        print(f"TensorBoard tracker ({t['model']}, {t['devices']} devices, every step logged): "
+              f"off {t['off_ms']['median']:.3f} ms/step, tensorboard "
+              f"{t['tensorboard_ms']['median']:.3f} ms/step; paired ratio {q['median']:.4f} "
+              f"[IQR {q['q1']:.4f}-{q['q3']:.4f}] (95% CI {lo:.4f}-{hi:.4f}), added "
+              f"{t['added_us']['median']:+.1f} us/step: {tracker['verdict']} vs target <= "
+              f"{TRACKER_TARGET}")
+        results.append(tracker)
     verdict = None
     compute = next((r for r in results if r["case"] == "compute"), None)
     if compute is not None:

@@ -8,6 +8,7 @@ The public API, for a user's own model and task:
     class MyTask(spmd.Task):
         class Config(spmd.ModelConfig): ...
     spmd.train("config.yaml", task=MyTask)
+    trained = spmd.load("runs/my_run")         # .model, .task, .config, .step
 
 Everything installs under this one import root (`spmd.sharding`, `spmd.launch`, `spmd.models`,
 `spmd.jobscripts`), so a user's own `models/` or `launch/` folder never shadows spmd's. Names
@@ -34,6 +35,8 @@ _PUBLIC = {
     "Stop": "spmd.loop.hooks",
     "TrainState": "spmd.engine.state",
     "train": "spmd.api",
+    "load": "spmd.inference.loading",
+    "Trained": "spmd.inference.loading",
 }
 
 def lazy_exports(package: str, table: dict[str, str]):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spmd.checkpoint.interface import Checkpointer, CheckpointError, NullCheckpointer, Restored
+from spmd.checkpoint.policy import SavePolicy
 from spmd.config.schema import CheckpointConfig
 from spmd.launch import LaunchEnv
 from spmd.rundir.metrics import EventLog
@@ -22,14 +23,14 @@ from spmd.rundir.metrics import EventLog
 
 def create_checkpointer(section: CheckpointConfig, *, run_dir: Path, env: LaunchEnv,
                         events: EventLog) -> Checkpointer:
-    """The checkpointer the `checkpoint:` section asks for (a no-op when both tiers are off).
+    """The checkpointer the `checkpoint:` section asks for (a no-op when it saves nothing).
 
     The section's own builder (the schema is a leaf and cannot import this layer, so the
     builder lives beside the checkpointer). `run_dir` is `run.dir`, under which the tiers
     live unless `checkpoint.local_dir` / `checkpoint.persistent_dir` say otherwise. No mesh
     is needed: what each process saves follows from the state's own shardings.
     """
-    if section.every == 0 and section.persistent_every == 0:
+    if not SavePolicy.of(section).saves_anything:
         return NullCheckpointer()
     from spmd.checkpoint.manager import HierarchicalCheckpointer
 

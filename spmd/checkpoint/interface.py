@@ -29,8 +29,14 @@ class Checkpointer(Protocol):
     def restore(self, abstract_state: Any) -> Restored | None:
         """Newest committed step across tiers, onto `abstract_state`'s shardings; None if none."""
 
-    def maybe_save(self, step: int, state: Any, *, force: bool = False) -> None:
-        """Offer the state after `step` completed steps; saves when a tier is due (or forced)."""
+    def maybe_save(self, step: int, state: Any, *, force: bool = False,
+                   finished: bool = False) -> None:
+        """Offer the state after `step` completed steps; saves when a tier is due (or forced).
+
+        `force`: the run stops after this step (every tier that saves periodically saves);
+        `finished`: the run ends here, not preempted (checkpoint.final: the persistent tier
+        commits it).
+        """
 
     def check(self) -> None:
         """Raise an error from a background save (naming rank and path), if one happened."""
@@ -40,12 +46,14 @@ class Checkpointer(Protocol):
 
 
 class NullCheckpointer:
-    """Used when checkpoint.every and checkpoint.persistent_every are both 0."""
+    """Used when checkpoint.every and checkpoint.persistent_every are both 0 and
+    checkpoint.final is false."""
 
     def restore(self, abstract_state: Any) -> Restored | None:
         return None
 
-    def maybe_save(self, step: int, state: Any, *, force: bool = False) -> None:
+    def maybe_save(self, step: int, state: Any, *, force: bool = False,
+                   finished: bool = False) -> None:
         return None
 
     def check(self) -> None:

@@ -110,7 +110,7 @@ class HierarchicalCheckpointer:
         self.rank, self.size = env.rank, env.size
         self.timeout_s, self.keep, self.use_async = ck.timeout_s, ck.keep, ck.async_
         self.events = events
-        self.policy = SavePolicy(ck.every, ck.persistent_every)
+        self.policy = SavePolicy.of(ck)
         local_dir, persistent_dir = tier_dirs(ck, run_dir)
         node_of_rank = tuple(env.node_of_rank) or tuple(range(self.size))
         num_nodes = len(set(node_of_rank))
@@ -139,7 +139,7 @@ class HierarchicalCheckpointer:
                                           ck.async_, CheckpointCoordinator(
                                               self.rank, self.size, ck.timeout_s, "persistent"),
                                           compress=ck.compress)
-                           if ck.persistent_every > 0 else None)
+                           if self.policy.uses_persistent else None)
         self._main = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "main")
         self._local_coord = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "local")
         self._workers = {"local": _Worker("local"), "persistent": _Worker("persistent")}
@@ -152,9 +152,10 @@ class HierarchicalCheckpointer:
                        "saves": {"local": 0, "persistent": 0}}
         if self.rank == 0:
             log.info("checkpoints: local tier %s (every %d steps, partner copies %s), persistent "
-                     "tier %s (every %d steps), keep %d", local_dir if self.local else "off",
+                     "tier %s (every %d steps%s), keep %d", local_dir if self.local else "off",
                      ck.every, "on" if self.partner else f"off: {why}",
-                     persistent_dir if self.persistent else "off", ck.persistent_every, ck.keep)
+                     persistent_dir if self.persistent else "off", ck.persistent_every,
+                     ", and the final step" if ck.final else "", ck.keep)
 
     # ---------------------------------------------------------------- restore
 
@@ -205,11 +206,13 @@ class HierarchicalCheckpointer:
 
     # ---------------------------------------------------------------- save
 
-    def maybe_save(self, step: int, state: Any, *, force: bool = False) -> None:
+    def maybe_save(self, step: int, state: Any, *, force: bool = False,
+                   finished: bool = False) -> None:
         self.check()
         local_due = (self.local is not None and self.policy.local_due(step, force)
                      and self._last["local"] != step)
-        persistent_due = (self.persistent is not None and self.policy.persistent_due(step, force)
+        persistent_due = (self.persistent is not None
+                          and self.policy.persistent_due(step, force, finished)
                           and self._last["persistent"] != step)
         if not (local_due or persistent_due):
             return

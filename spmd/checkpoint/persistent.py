@@ -1,9 +1,15 @@
 """The persistent tier: a global Orbax checkpoint per step, plus our own checksum manifest.
 
 Orbax (CheckpointManager, StandardSave/StandardRestore) writes a reshardable checkpoint that
-restores onto any mesh and process count. It does not checksum data, so after Orbax has
-finalized a step every process crc32s the files it wrote (`ocdbt.process_<i>/`,
-`array_metadatas/process_<i>`; rank 0 the rest), rank 0 gathers them and writes
+restores onto any mesh and process count. A step holds two Orbax items: `params` (the
+parameters alone, a pure dict: what `spmd.load`, `spmd eval` and a plain
+`ocp.StandardCheckpointer().restore(<step>/params, target)` read) and `train_state` (every
+other field of the state: step, optimizer state). Steps written before this split hold one
+item, `default`, with the whole state; they restore as before.
+
+Orbax does not checksum data, so after Orbax has finalized a step every process crc32s the
+files it wrote (`ocdbt.process_<i>/`, `array_metadatas/process_<i>`; rank 0 the rest), rank 0
+gathers them and writes
 `<step>/spmd_manifest.json`. A step counts as committed only when that manifest exists:
 a step Orbax finalized but we could not vouch for is neither restored nor counted by
 retention, so it never pushes out the newest step we can vouch for.
@@ -11,9 +17,11 @@ retention, so it never pushes out the newest step we can vouch for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,7 @@ log = logging.getLogger("spmd.checkpoint")
 
 MANIFEST = "spmd_manifest.json"
 FORMAT = "spmd-persistent/1"
+PARAMS, TRAIN_STATE, LEGACY_ITEM = "params", "train_state", "default"
 _OWNER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
 
 
@@ -42,6 +51,31 @@ def file_owner(rel: str) -> int:
     """The process that wrote a file of an Orbax step (process-named dirs), else 0."""
     m = _OWNER.search(rel)
     return int(m.group(1)) if m else 0
+
+
+def split_state(state: Any) -> dict[str, Any]:
+    """The Orbax items of a state: {"params": its `params`, "train_state": the rest}.
+
+    A state with a `params` field (a dataclass such as spmd's TrainState) or key (a dict)
+    is split; any other pytree is saved whole as "train_state".
+    """
+    if dataclasses.is_dataclass(state) and hasattr(state, "params"):
+        rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+                if f.name != "params"}
+        return {PARAMS: state.params, TRAIN_STATE: rest}
+    if isinstance(state, Mapping) and "params" in state:
+        return {PARAMS: state["params"],
+                TRAIN_STATE: {k: v for k, v in state.items() if k != "params"}}
+    return {TRAIN_STATE: state}
+
+
+def join_state(like: Any, items: Mapping[str, Any]) -> Any:
+    """Inverse of `split_state`, shaped like `like` (the abstract state restored onto)."""
+    if PARAMS not in items:
+        return items[TRAIN_STATE]
+    if dataclasses.is_dataclass(like):
+        return dataclasses.replace(like, params=items[PARAMS], **items[TRAIN_STATE])
+    return {PARAMS: items[PARAMS], **items[TRAIN_STATE]}
 
 
 def checksum_files(step_dir: Path, rank: int, size: int, fsync: bool = True) -> dict[str, dict]:
@@ -158,8 +192,11 @@ class PersistentTier:
         # and zstd costs far more CPU time than the bytes it saves cost on a parallel file
         # system, so by default the same PyTree format goes through the handler that can
         # switch compression off. Either way the files restore with either handler.
-        handler = (ocp.StandardCheckpointHandler() if compress
-                   else ocp.PyTreeCheckpointHandler(use_compression=False))
+        def handler() -> Any:
+            return (ocp.StandardCheckpointHandler() if compress
+                    else ocp.PyTreeCheckpointHandler(use_compression=False))
+
+        handlers = {PARAMS: handler(), TRAIN_STATE: handler(), LEGACY_ITEM: handler()}
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=use_async,
             async_options=ocp.options.AsyncOptions(timeout_secs=max(1, int(timeout_s)),
@@ -170,7 +207,7 @@ class PersistentTier:
             create=True,
         )
         try:
-            self.manager = ocp.CheckpointManager(root, options=options, item_handlers=handler)
+            self.manager = ocp.CheckpointManager(root, options=options, item_handlers=handlers)
         except Exception as e:
             raise CheckpointError(f"rank {rank}: cannot open the persistent tier at {root} "
                                   f"(checkpoint.persistent_dir): {type(e).__name__}: {e}") from e
@@ -200,8 +237,9 @@ class PersistentTier:
         if step in self.manager.all_steps():
             self.delete(step)  # unverified leftover of an earlier incarnation
         args = self._ocp.args
-        self.manager.save(step, args=args.StandardSave(state) if self.compress
-                          else args.PyTreeSave(state), force=True)
+        save = args.StandardSave if self.compress else args.PyTreeSave
+        items = {name: save(tree) for name, tree in split_state(state).items()}
+        self.manager.save(step, args=args.Composite(**items), force=True)
 
     def finish_save(self, step: int, error: str | None = None) -> dict:
         """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0).
@@ -240,13 +278,21 @@ class PersistentTier:
         return verify_files(self.step_dir(step), manifest, self.rank, self.size)
 
     def restore(self, step: int, abstract_state: Any) -> Any:
-        """Onto `abstract_state`'s shardings: any mesh, any process count."""
-        ocp = self._ocp
+        """Onto `abstract_state`'s shardings: any mesh, any process count (either layout)."""
+        if (self.step_dir(step) / LEGACY_ITEM).is_dir():
+            items = {LEGACY_ITEM: abstract_state}
+        else:
+            items = split_state(abstract_state)
+        restored = self.manager.restore(step, args=self._ocp.args.Composite(
+            **{name: self._restore_args(tree) for name, tree in items.items()}))
+        if LEGACY_ITEM in items:
+            return restored[LEGACY_ITEM]
+        return join_state(abstract_state, {name: restored[name] for name in items})
+
+    def _restore_args(self, target: Any) -> Any:
         if self.compress:
-            return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-        return self.manager.restore(step, args=ocp.args.PyTreeRestore(
-            item=abstract_state, restore_args=restore_args))
+            return self._ocp.args.StandardRestore(target)
+        return restore_args(target)
 
     def delete(self, step: int) -> None:
         """Collective: every rank calls it."""
@@ -254,6 +300,15 @@ class PersistentTier:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def restore_args(target: Any) -> Any:
+    """Orbax restore arguments onto `target`'s shapes, dtypes and shardings (either handler
+    reads what either wrote)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
 
 
 class _StartFailed(Exception):

@@ -30,13 +30,38 @@ def tier_dirs(ck: CheckpointConfig, run_dir: Path) -> tuple[Path, Path]:
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """Which tiers a step is due for. 0 disables a tier; `force` means every enabled tier."""
+    """Which tiers a step is due for.
+
+    0 disables a tier's periodic saves; `force` (a stopping run: preemption, wall time)
+    means every tier that saves periodically, or the persistent tier when none does and
+    `final` keeps it; `final` (checkpoint.final) commits the end of a run (`end`) to the
+    persistent tier whatever the periods are.
+    """
 
     local_every: int
     persistent_every: int
+    final: bool = False
+
+    @classmethod
+    def of(cls, ck: CheckpointConfig) -> SavePolicy:
+        return cls(ck.every, ck.persistent_every, ck.final)
+
+    @property
+    def uses_local(self) -> bool:
+        return self.local_every > 0
+
+    @property
+    def uses_persistent(self) -> bool:
+        return self.persistent_every > 0 or self.final
+
+    @property
+    def saves_anything(self) -> bool:
+        return self.uses_local or self.uses_persistent
 
     def local_due(self, step: int, force: bool) -> bool:
         return self.local_every > 0 and (force or step % self.local_every == 0)
 
-    def persistent_due(self, step: int, force: bool) -> bool:
-        return self.persistent_every > 0 and (force or step % self.persistent_every == 0)
+    def persistent_due(self, step: int, force: bool, end: bool = False) -> bool:
+        if self.persistent_every > 0 and (force or end or step % self.persistent_every == 0):
+            return True
+        return self.final and (end or (force and not self.uses_local))

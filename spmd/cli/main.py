@@ -15,7 +15,8 @@ import traceback
 
 from spmd.errors import ExitCode, SpmdError
 
-COMMANDS = ("train", "run", "doctor", "shardings", "jobscript", "ckpt", "plot", "data", "plan")
+COMMANDS = ("train", "run", "doctor", "shardings", "jobscript", "ckpt", "plot", "data", "plan",
+            "profile", "report", "eval", "predict", "export")
 
 log = logging.getLogger("spmd")
 

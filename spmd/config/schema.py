@@ -11,11 +11,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProfileConfig(_Section):
+    """run.profile: a JAX profiler trace of updates steps[0]..steps[1] (inclusive) on the
+    ranks listed, in run.dir/profile/ (docs/observability.md). Off (no hook) without steps."""
+
+    steps: tuple[int, int] | None = None
+    ranks: list[int] = Field(default_factory=lambda: [0])
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ProfileConfig:
+        if self.steps is not None and not 1 <= self.steps[0] <= self.steps[1]:
+            raise ValueError(f"run.profile.steps must be [start, stop] with 1 <= start <= stop "
+                             f"(updates done, as in metrics.jsonl); got {list(self.steps)}")
+        return self
 
 
 class RunConfig(_Section):
@@ -28,6 +43,10 @@ class RunConfig(_Section):
     # JAX's persistent compilation cache: a requeued or resumed job loads its compiled
     # steps from here instead of compiling again (null: off, or JAX_COMPILATION_CACHE_DIR).
     compilation_cache: Path | None = None
+    profile: ProfileConfig = ProfileConfig()
+    # Where rank 0 also sends every metrics.jsonl scalar and the resolved config (the
+    # optional ones need their pip extra: spmd-hpc[wandb], spmd-hpc[mlflow]).
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
 
 
 class ModelConfig(BaseModel):
@@ -84,6 +103,10 @@ class DataConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0)            # steps between node-local saves (0 = never)
     persistent_every: int = Field(0, ge=0)  # steps between persistent-tier saves (0 = never)
+    # The last step of a run that ends (finished, or stopped by a hook) is committed to the
+    # persistent tier whatever `every` and `persistent_every` say, so that every finished
+    # run is loadable (spmd.load, spmd eval/predict/export). false: no such final save.
+    final: bool = True
     local_dir: Path | None = None           # node-local tier; None = <run.dir>/local
     persistent_dir: Path | None = None      # None = <run.dir>/checkpoints
     keep: int = Field(2, ge=1)

@@ -33,14 +33,19 @@ class TrainState:
     opt_state: Any
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up to `train.lr` (then constant) and optional global-norm clipping."""
+def learning_rate(train: TrainConfig) -> optax.Schedule:
+    """The learning-rate schedule: linear warm-up to `train.lr` over `train.warmup_steps`
+    updates, then constant. One definition for the optimizer and for the `lr` that
+    metrics.jsonl logs (update k, the one that makes step k, uses `schedule(k - 1)`)."""
     if train.warmup_steps:
-        schedule = optax.linear_schedule(0.0, train.lr, train.warmup_steps)
-    else:
-        schedule = optax.constant_schedule(train.lr)
+        return optax.linear_schedule(0.0, train.lr, train.warmup_steps)
+    return optax.constant_schedule(train.lr)
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on `learning_rate(train)` and optional global-norm clipping."""
     parts = [optax.clip_by_global_norm(train.grad_clip)] if train.grad_clip else []
-    parts.append(optax.adamw(schedule, weight_decay=train.weight_decay))
+    parts.append(optax.adamw(learning_rate(train), weight_decay=train.weight_decay))
     return optax.chain(*parts)
 
 

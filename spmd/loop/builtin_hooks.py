@@ -5,7 +5,8 @@ stops the run by returning a `Stop`, as a user's hook would, and the trainer, no
 turns it into the exit status. Each hook is given what it needs when it is built (the
 runtime, the run directory, the event log, the preemption hook whose stop a final
 evaluation and the plots skip); none reads or writes another's state through `StepInfo`.
-Evaluation time is not counted as step time.
+Evaluation time is not counted as step time. Every metrics record (train and eval) goes
+through `MetricsHook.record`: metrics.jsonl, and on rank 0 the trackers of `run.trackers`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from spmd.data.batch import DataSource
 from spmd.engine.runtime import Runtime
+from spmd.engine.state import learning_rate
 from spmd.loop.hooks import StepInfo, Stop
+from spmd.loop.throughput import FlopRate
 from spmd.rundir.metrics import EventLog, JsonlWriter, Progress
+from spmd.rundir.trackers import Tracker, create_trackers, scalars_of
 from spmd.tasks import Task
 
 log = logging.getLogger("spmd.loop.trainer")
@@ -70,33 +75,63 @@ class PreemptionHook:
 
 
 class MetricsHook:
-    """metrics.jsonl records (rank 0), the progress bar, and a warning on a non-finite loss."""
+    """metrics.jsonl records and the trackers (rank 0), the progress bar, and a warning on a
+    non-finite loss. A train record has the step, its wall-clock `time`, the loss, the
+    learning rate the step used (`lr`), step time, throughput, model FLOP/s and MFU where
+    the task gives FLOPs (spmd.loop.throughput), and the step's own metrics."""
 
     def __init__(self, rt: Runtime, run_dir: Path, events: EventLog, is_main: bool,
                  clock: StepClock):
         self.rt, self.events, self.clock = rt, events, clock
+        self.run_dir = run_dir
         self.writer = JsonlWriter(run_dir / "metrics.jsonl", enabled=is_main)
         self.batch = rt.cfg.train.batch_size
         self.units = rt.task.tokens_per_example()
+        self.schedule = learning_rate(rt.cfg.train)
+        self.host = jax.devices("cpu")[0]   # the schedule is evaluated here, not on a GPU
+        self.flop_rate = FlopRate.create(rt.task.flops_per_example(), self.batch,
+                                         rt.mesh.size, rt.mesh.devices.flat[0].device_kind)
         self.progress: Progress | None = None
+        self.trackers: list[Tracker] = []
         self.is_main = is_main
 
     def start(self, info: StepInfo) -> None:
         cfg = self.rt.cfg
         self.progress = Progress(cfg.train.steps, info.step,
                                  enabled=self.is_main and cfg.run.progress)
+        if self.is_main and cfg.run.trackers:
+            self.trackers = create_trackers(cfg.run.trackers, self.run_dir,
+                                            cfg.model_dump(mode="json", by_alias=True),
+                                            cfg.to_yaml())
+
+    def record(self, record: dict) -> None:
+        """One metrics record (train or eval): metrics.jsonl, then every tracker."""
+        self.writer.write(record)
+        if self.trackers:
+            scalars = scalars_of(record)
+            for tracker in self.trackers:
+                tracker.log(scalars, int(record["step"]))
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of the update that made `step` (optax counts from 0)."""
+        with jax.default_device(self.host):
+            return float(self.schedule(max(step - 1, 0)))
 
     def __call__(self, info: StepInfo) -> None:
         values = info.values
         step_time = self.clock.lap(info.step)
-        record = {"step": info.step, "loss": values["loss"], "step_time_s": step_time,
-                  "samples_per_s": self.batch / step_time}
+        record = {"step": info.step, "time": time.time(), "loss": values["loss"],
+                  "step_time_s": step_time, "samples_per_s": self.batch / step_time}
         if self.units > 1:
             record["tokens_per_s"] = self.batch * self.units / step_time
+        if self.flop_rate is not None:
+            record.update(self.flop_rate.of(step_time))
+        if self.is_main:
+            record["lr"] = self.learning_rate(info.step)
         record.update({k: v for k, v in values.items() if k != "loss"})
         if not np.isfinite(record["loss"]):
             self.events.emit("nonfinite_loss", step=info.step, loss=str(record["loss"]))
-        self.writer.write(record)
+        self.record(record)
         if self.progress is not None:
             remaining = self.rt.cfg.train.steps - info.step
             self.progress.update(info.step, record["loss"], record["samples_per_s"],
@@ -106,15 +141,20 @@ class MetricsHook:
         if self.progress is not None:
             self.progress.close()
         self.writer.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
-def evaluate(rt: Runtime, params, sample_path: Path | None) -> dict[str, float]:
+def evaluate(rt: Runtime, params, sample_path: Path | None,
+             source: DataSource | None = None) -> dict[str, float]:
     """Mean of the task's eval metrics over the task's eval batches (fixed batches).
 
-    With a sample step, the first batch's sample outputs (first few examples) go to
-    `sample_path` (rank 0).
+    `source`: the batches' source (default: the task's eval source); `spmd eval` passes
+    another split. With a sample step, the first batch's sample outputs (first few
+    examples) go to `sample_path` (rank 0).
     """
-    source = rt.task.eval_source()
+    source = source if source is not None else rt.task.eval_source()
     totals: dict[str, float] = {}
     n = rt.task.eval_batches()
     for i in range(n):
@@ -142,9 +182,10 @@ class EvalHook:
     def _evaluate(self, info: StepInfo) -> None:
         started = time.perf_counter()
         record = {"step": info.step, **evaluate(self.rt, info.state.params, self.sample_path)}
-        self.metrics.writer.write(record)
-        self.events.emit("evaluated", **record)
-        self.metrics.clock.exclude(time.perf_counter() - started)
+        self.metrics.record(record)
+        seconds = time.perf_counter() - started
+        self.events.emit("evaluated", **record, seconds=round(seconds, 4))  # spmd report
+        self.metrics.clock.exclude(seconds)
 
     def start(self, info: StepInfo) -> None:
         if info.step == 0:
@@ -156,13 +197,17 @@ class EvalHook:
 
 
 class CheckpointHook:
-    """Offers every step to the checkpointer (its policy decides); forces a save at the end."""
+    """Offers every step to the checkpointer (its policy decides); forces a save at the
+    last step, and tells the checkpointer whether the run ends there (checkpoint.final) or
+    is preempted."""
 
-    def __init__(self, checkpointer) -> None:
+    def __init__(self, checkpointer, preemption: PreemptionHook | None = None) -> None:
         self.checkpointer = checkpointer
+        self.preemption = preemption
 
     def __call__(self, info: StepInfo) -> None:
-        self.checkpointer.maybe_save(info.step, info.state, force=info.final)
+        self.checkpointer.maybe_save(info.step, info.state, force=info.final,
+                                     finished=info.final and not preempted(self.preemption))
 
     def close(self, info: StepInfo) -> None:
         self.checkpointer.close()

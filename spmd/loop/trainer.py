@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import psutil
 from jax.experimental import multihost_utils
 
 from spmd.checkpoint import Checkpointer, create_checkpointer
@@ -44,6 +45,7 @@ from spmd.loop.builtin_hooks import (
     StepClock,
 )
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
+from spmd.loop.profiler_hook import ProfilerHook, profiling
 from spmd.rundir.lease import RunLease
 from spmd.rundir.metrics import EventLog, setup_logging
 from spmd.tasks import Task
@@ -81,6 +83,8 @@ class Trainer:
     def run(self, debug: bool = False) -> int:
         """Bootstrap this rank, train, shut the distributed runtime down; the exit status."""
         cfg = self.cfg
+        # The job's start for `spmd report`: this process's start (imports count as bootstrap).
+        process_start, run_start = psutil.Process().create_time(), time.time()
         env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                         heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
         run_dir = Path(cfg.run.dir)
@@ -97,9 +101,15 @@ class Trainer:
                 (run_dir / "config.yaml").write_text(cfg.to_yaml())
             events = EventLog(run_dir / "events.jsonl", env.rank)
             events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
-                        restart_count=env.restart_count, job_id=env.job_id, task=cfg.task)
+                        restart_count=env.restart_count, job_id=env.job_id, task=cfg.task,
+                        nodes=env.num_nodes, process_start=round(process_start, 3),
+                        run_start=round(run_start, 3))
             lease.start(events)  # logs the acquisition or take-over; heartbeat while training
             return self.fit(env, events)
+        except BaseException as e:
+            if events is not None:  # how this job ended, for `spmd report`
+                events.emit("failed", error=f"{type(e).__name__}: {e}"[:500])
+            raise
         finally:
             if env.size > 1:
                 shutdown()  # jax.distributed.shutdown, after disarming the peer watchdog
@@ -126,15 +136,17 @@ class Trainer:
         """Train on an initialized JAX runtime; returns the process exit status."""
         cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
         rt = self.build(env)
+        began = time.perf_counter()
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
         restored = checkpointer.restore(rt.state.abstract)
         if restored is not None:
             state, start = restored.state, restored.step
             events.emit("restored", step=start, source=restored.source, detail=restored.detail,
-                        **{k: round(v, 4) for k, v in restored.timings.items()})
+                        **{k: round(v, 4) for k, v in restored.timings.items()},
+                        seconds=round(time.perf_counter() - began, 4))
         else:
             state, start = rt.init(), 0
-            events.emit("initialized", step=0)
+            events.emit("initialized", step=0, seconds=round(time.perf_counter() - began, 4))
 
         clock = StepClock(start)
         metrics = MetricsHook(rt, run_dir, events, is_main, clock)
@@ -151,8 +163,12 @@ class Trainer:
         except BaseException:
             metrics.close()
             raise
+        closing = {}
         for hook in hooks:
+            began = time.perf_counter()
             hook.close(info)
+            closing[hook.name] = round(time.perf_counter() - began, 4)
+        events.emit("closed", seconds=closing)  # the last save's wait, for `spmd report`
         self.exit_code = self._end(info.step, stopped, events)
         return self.exit_code
 
@@ -219,13 +235,17 @@ class Trainer:
             log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
                      cfg.launch.walltime_margin_s)
         preemption = PreemptionHook(stop_vote)
-        hooks = [Hook(preemption, 1, "preemption"),
-                 Hook(metrics, cfg.run.log_every, "metrics")]
+        hooks = []
+        if profiling(cfg.run.profile, env.rank):  # first: the trace stops right after an update
+            hooks.append(Hook(ProfilerHook(cfg.run.profile, run_dir, env.rank, events), 1,
+                              "profiler"))
+        hooks += [Hook(preemption, 1, "preemption"),
+                  Hook(metrics, cfg.run.log_every, "metrics")]
         if rt.eval_step is not None and cfg.train.eval_every:
             hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main, preemption),
                               cfg.train.eval_every, "evaluation"))
         hooks += self._user_hooks
-        hooks.append(Hook(CheckpointHook(checkpointer), 1, "checkpoint"))
+        hooks.append(Hook(CheckpointHook(checkpointer, preemption), 1, "checkpoint"))
         if is_main and cfg.run.plots:
             hooks.append(Hook(PlotsHook(run_dir, events, rt.task, preemption),
                               max(cfg.train.steps, 1), "plots"))

@@ -85,6 +85,21 @@ class Task(abc.ABC, Generic[ModelCfg]):
         """Task-specific figures from an eval sample (paths written); spmd draws the curves."""
         return []
 
+    def prediction_input(self) -> str:
+        """The batch field a prediction reads (`spmd predict --input`, `spmd export`): by
+        default the first of `batch_fields()`. A rollout feeds predictions back into it."""
+        return next(iter(self.batch_fields()))
+
+    def predict(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> jax.Array:
+        """The model's prediction for a batch holding `prediction_input()` (physical units:
+        undo any normalization the loss works in). Default: the model on that field."""
+        return model(batch[self.prediction_input()])
+
+    def dataset_paths(self) -> Mapping[str, str]:
+        """Each batch field's dataset in a data file, "{split}" standing for train or test
+        (`data.fields` overrides them); `spmd predict` finds its input through this."""
+        return {name: f"{{split}}/{name}" for name in self.batch_fields()}
+
     def eval_batches(self) -> int:
         return self.cfg.data.eval_batches
 

@@ -72,12 +72,15 @@ class FieldTask(Task[ModelCfg]):
         return {name: BatchField(shape, np.float32, self.field_axes)
                 for name in (self.input_name, self.target_name)}
 
-    def _datasets(self) -> dict[str, str]:
+    def dataset_paths(self) -> dict[str, str]:
         return {name: f"{{split}}/{name}" for name in (self.input_name, self.target_name)}
+
+    def prediction_input(self) -> str:
+        return self.input_name
 
     def _source(self, split: str, shuffle: bool) -> ArraySource:
         d = self.cfg.data
-        return ArraySource.from_config(self.cfg, split, self.batch_fields(), self._datasets(),
+        return ArraySource.from_config(self.cfg, split, self.batch_fields(), self.dataset_paths(),
                                        shuffle=shuffle,
                                        count=d.num_train if split == "train" else d.num_test)
 

@@ -177,9 +177,12 @@ class OperatorTask(Task[FnoConfig]):
         s = self.stats[name]
         return x * s.std + s.mean
 
-    def predict(self, model: nnx.Module, a: jax.Array) -> jax.Array:
+    def predict(self, model: nnx.Module, batch) -> jax.Array:
         """Physical u predicted for physical a."""
-        return self._denormalize("u", model(self._normalize("a", a)))
+        return self._denormalize("u", model(self._normalize("a", batch["a"])))
+
+    def dataset_paths(self) -> dict[str, str]:
+        return dict(DATASETS)
 
     def loss(self, model, batch):
         pred = model(self._normalize("a", batch["a"]))
@@ -195,7 +198,7 @@ class OperatorTask(Task[FnoConfig]):
         # The whole (sharded) batch: a slice of it need not divide the mesh. The trainer
         # keeps the first few examples.
         a, u = batch["a"], batch["u"]
-        pred = self.predict(model, a)
+        pred = self.predict(model, batch)
         return {"input": a[..., 0], "truth": u[..., 0], "prediction": pred[..., 0],
                 "error": (pred - u)[..., 0]}
 

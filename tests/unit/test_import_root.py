@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spmd.engine",),                          # mesh, state, steps, runtime
     ("spmd.checkpoint",),                      # both tiers
     ("spmd.loop",),                            # the training loop and its hooks
+    ("spmd.inference",),                       # load, eval, predict, export a trained run
     ("spmd.aot",),                             # plan: compile ahead of time
     ("spmd.api",),                             # spmd.train(...)
     ("spmd.cli",),                             # the console script

@@ -1,0 +1,203 @@
+"""The parameters alone, from either tier, onto any devices: what `spmd.load` reads.
+
+Training restores the whole state onto the run's own mesh (spmd.checkpoint.restore). Using a
+trained model needs less and more: the parameters only (no optimizer state is read from
+disk), onto whatever devices are at hand (one CPU device in a notebook, or the run's mesh).
+
+- Persistent tier: the step's `params` Orbax item, read by Orbax onto the target shardings
+  (steps written before the items were split hold one `default` item; their `params`
+  subtree is read alone). The files read are first checked against the step's manifest.
+- Local tier: every rank's packed blob (its own directory, else a partner's copy) is read on
+  the host, crc-checked piece by piece, and the `params/...` pieces are assembled into whole
+  arrays, then placed on the target shardings. Only a step whose every rank is present on
+  this machine's view of `checkpoint.local_dir` can be read this way.
+
+The newest step of either tier is chosen unless a step is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd.checkpoint.files import ChecksumError, crc32, hex32, read_json
+from spmd.checkpoint.interface import CheckpointError
+from spmd.checkpoint.layout import leaf_paths
+from spmd.checkpoint.listing import scan_local, scan_persistent
+from spmd.checkpoint.local import DATA, INDEX, MARKER, rank_name
+from spmd.checkpoint.persistent import LEGACY_ITEM, PARAMS, read_manifest, restore_args
+
+log = logging.getLogger("spmd.checkpoint")
+
+
+@dataclass(frozen=True)
+class ParamsCheckpoint:
+    """One committed step whose parameters can be read: its tier and its directory."""
+
+    step: int
+    tier: str       # "persistent" | "local"
+    path: Path      # the step's directory in its tier
+
+    def describe(self) -> str:
+        return f"step {self.step} from the {self.tier} tier ({self.path})"
+
+
+def find_checkpoints(persistent_dir: Path | None, local_dir: Path | None
+                     ) -> list[ParamsCheckpoint]:
+    """Committed steps of both tiers, oldest first; at equal steps persistent comes last."""
+    found = []
+    if local_dir is not None:
+        found += [ParamsCheckpoint(s.step, "local", Path(local_dir) / str(s.step))
+                  for s in scan_local(Path(local_dir)) if s.committed]
+    if persistent_dir is not None:
+        found += [ParamsCheckpoint(s.step, "persistent", Path(persistent_dir) / str(s.step))
+                  for s in scan_persistent(Path(persistent_dir)) if s.state == "committed"]
+    return sorted(found, key=lambda c: (c.step, c.tier == "persistent"))
+
+
+def choose_checkpoint(found: list[ParamsCheckpoint], step: int | None,
+                      where: str) -> ParamsCheckpoint:
+    """The newest checkpoint (or `step`'s); an error naming `where` and what exists."""
+    if not found:
+        raise CheckpointError(f"{where}: no committed checkpoint to load (a run saves its last "
+                              f"step to the persistent tier unless checkpoint.final is false; "
+                              f"`spmd ckpt ls` lists what is there)")
+    if step is None:
+        return found[-1]
+    at = [c for c in found if c.step == step]
+    if not at:
+        steps = sorted({c.step for c in found})
+        raise CheckpointError(f"{where}: no committed checkpoint of step {step}; committed "
+                              f"steps: {steps}")
+    return at[-1]
+
+
+def read_params(ckpt: ParamsCheckpoint, target: Any, *, verify: bool = True) -> Any:
+    """The parameters of `ckpt` as jax.Arrays on `target`'s shapes, dtypes and shardings.
+
+    `target`: the parameters' pure dict of jax.ShapeDtypeStructs carrying shardings.
+    `verify`: check the files read against the step's checksums first.
+    """
+    if ckpt.tier == "persistent":
+        return _read_persistent(ckpt, target, verify)
+    return _read_local(ckpt, target)
+
+
+# ---------------------------------------------------------------- persistent tier
+
+
+def _read_persistent(ckpt: ParamsCheckpoint, target: Any, verify: bool) -> Any:
+    import orbax.checkpoint as ocp
+
+    step_dir = ckpt.path
+    legacy = not (step_dir / PARAMS).is_dir() and (step_dir / LEGACY_ITEM).is_dir()
+    item = LEGACY_ITEM if legacy else PARAMS
+    if verify:
+        _verify_item(step_dir, item)
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            if legacy:  # the whole state in one item: read its params subtree alone
+                args = restore_args({"params": target})
+                restored = checkpointer.restore(step_dir / item, args=ocp.args.PyTreeRestore(
+                    item=args.item, restore_args=args.restore_args, partial_restore=True))
+                return restored["params"]
+            return checkpointer.restore(step_dir / item, args=restore_args(target))
+    except Exception as e:
+        raise CheckpointError(f"reading the parameters of {ckpt.describe()} failed (was it "
+                              f"saved by another model or model config?): "
+                              f"{type(e).__name__}: {str(e)[:1500]}") from e
+
+
+def _verify_item(step_dir: Path, item: str) -> None:
+    from spmd.checkpoint.files import crc32_file
+
+    manifest = read_manifest(step_dir)
+    if manifest is None:
+        raise CheckpointError(f"{step_dir}: its manifest is missing or unreadable")
+    for rel, want in sorted(manifest["files"].items()):
+        if not rel.startswith(f"{item}/"):
+            continue
+        path = step_dir / rel
+        try:
+            value, n = crc32_file(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
+        if n != want["nbytes"] or hex32(value) != want["crc32"]:
+            raise ChecksumError(path, f"crc32 {hex32(value)} over {n} bytes, the manifest "
+                                      f"says {want['crc32']} over {want['nbytes']} bytes")
+
+
+# ---------------------------------------------------------------- local tier
+
+
+def _rank_copies(step_dir: Path) -> dict[int, tuple[Path, Path, str]]:
+    """rank -> (index, data, index crc) of a committed copy of its pieces (own first)."""
+    copies: dict[int, tuple[Path, Path, str]] = {}
+    partner_copies: dict[int, tuple[Path, Path, str]] = {}
+    for d in sorted(step_dir.glob("rank*")):
+        if not d.is_dir() or not (d / MARKER).is_file():
+            continue
+        marker = read_json(d / MARKER)
+        files = marker.get("files", {})
+        rank = int(marker["rank"])
+        if INDEX in files:
+            copies[rank] = (d / INDEX, d / DATA, files[INDEX])
+        for q in marker.get("partners", []):
+            base = f"partner-{rank_name(q)}"
+            if f"{base}.json" in files:
+                partner_copies.setdefault(q, (d / f"{base}.json", d / f"{base}.bin",
+                                              files[f"{base}.json"]))
+    return {**partner_copies, **copies}
+
+
+def _read_local(ckpt: ParamsCheckpoint, target: Any) -> Any:
+    wanted = dict(zip((f"params/{p}" for p in leaf_paths(target)), jax.tree.leaves(target)))
+    arrays = {path: np.empty(x.shape, np.dtype(x.dtype))
+              for path, x in wanted.items()}
+    filled = {path: 0 for path in wanted}
+    copies = _rank_copies(ckpt.path)
+    try:
+        for index_path, data_path, index_crc in copies.values():
+            index = read_json(index_path, index_crc)
+            with open(data_path, "rb") as f:
+                for piece in index["pieces"]:
+                    path = piece["path"]
+                    if path not in arrays:
+                        continue
+                    _place(f, data_path, piece, arrays[path])
+                    filled[path] += int(piece["nbytes"])
+    except (OSError, ChecksumError) as e:
+        raise CheckpointError(f"reading the parameters of {ckpt.describe()} failed: {e}") from e
+    short = [p for p, n in filled.items() if n < arrays[p].nbytes]
+    if short:
+        raise CheckpointError(
+            f"{ckpt.describe()}: parameters {short[:5]} are missing from the rank copies found "
+            f"({sorted(copies)}); was it saved by another model config?")
+    shardings = [x.sharding for x in wanted.values()]
+    placed = [jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
+              for a, s in zip(arrays.values(), shardings)]
+    return jax.tree.unflatten(jax.tree.structure(target), placed)
+
+
+def _place(f: Any, data_path: Path, piece: Mapping[str, Any], out: np.ndarray) -> None:
+    """Read one piece from an open blob, check its crc32, copy it into `out` at its index."""
+    f.seek(piece["offset"])
+    raw = f.read(piece["nbytes"])
+    if len(raw) != piece["nbytes"]:
+        raise ChecksumError(data_path, f"ended inside piece {piece['path']}")
+    got = hex32(crc32(raw))
+    if got != piece["crc32"]:
+        raise ChecksumError(data_path, f"piece {piece['path']} at offset {piece['offset']} "
+                                       f"has crc32 {got}, the index says {piece['crc32']}")
+    key = [tuple(k) for k in piece["index"]]
+    shape = tuple(b - a for a, b in key)
+    if np.dtype(out.dtype).name != piece["dtype"]:
+        raise ChecksumError(data_path, f"piece {piece['path']} is {piece['dtype']}, the model "
+                                       f"expects {out.dtype}")
+    out[tuple(slice(a, b) for a, b in key)] = np.frombuffer(raw, out.dtype).reshape(shape)

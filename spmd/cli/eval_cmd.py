@@ -1,0 +1,41 @@
+"""`spmd eval PATH [--split test] [--step N] [--json] [key=value ...]`: a run's trained
+parameters evaluated with its task's metrics, as the trainer evaluates (one process, or
+every rank under `spmd run -n N --entry eval PATH -- ...`, srun, mpiexec)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a run's trained model on a split")
+    p.add_argument("path", help="run directory (or one of its checkpoint directories)")
+    p.add_argument("--split", default="test", choices=("test", "train"))
+    p.add_argument("--step", type=int, default=None, help="committed step (default: newest)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="changes to the run's config (e.g. a moved data.path)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spmd.inference.evaluation import evaluate_split
+    from spmd.inference.loading import load_for_job
+    from spmd.launch import shutdown
+
+    trained, env = load_for_job(args.path, args.step, args.overrides)
+    try:
+        metrics = evaluate_split(trained, args.split)
+    finally:
+        if env.size > 1:
+            shutdown()
+    if env.rank == 0:
+        if args.json:
+            print(json.dumps({"step": trained.step, "split": args.split,
+                              "checkpoint": trained.source, "metrics": metrics}))
+        else:
+            print(f"{trained.config.task}: {trained.source}, split {args.split}")
+            for key, value in metrics.items():
+                print(f"  {key:<16} {value:.6g}")
+    return 0

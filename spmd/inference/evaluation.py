@@ -1,0 +1,33 @@
+"""`spmd eval`: the task's evaluation metrics on a split, with a run's trained parameters.
+
+The metrics are computed exactly as the trainer's evaluation computes them (the same jitted
+eval step over the same fixed batches of `data.eval_batches` x `train.batch_size` examples),
+so evaluating the last step of a run reproduces the last evaluation in its metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+from spmd.config.load import build_task
+from spmd.engine.runtime import build_runtime
+from spmd.errors import SpmdError
+from spmd.inference.loading import Trained
+from spmd.loop.builtin_hooks import evaluate
+
+SPLITS = ("test", "train")
+
+
+def evaluate_split(trained: Trained, split: str = "test") -> dict[str, float]:
+    """Mean eval metrics of `trained` over the split's eval batches (on `trained.mesh`)."""
+    if split not in SPLITS:
+        raise SpmdError(f"--split {split}: the splits are {', '.join(SPLITS)}")
+    cfg = trained.config
+    if not cfg.train.eval_every:  # a task offers its eval split only when evaluation is on
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": 1})})
+    task = build_task(cfg)
+    if task.eval_source() is None:
+        raise SpmdError(f"task {cfg.task} has no evaluation (its eval_source() is None): "
+                        "spmd eval needs a task with eval metrics")
+    rt = build_runtime(cfg, trained.mesh, task)
+    assert rt.eval_step is not None
+    source = task.eval_source() if split == "test" else task.train_source()
+    return evaluate(rt, trained.params, None, source)

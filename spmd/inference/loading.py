@@ -1,0 +1,165 @@
+"""`spmd.load(path)`: a trained model back in Python, on whatever devices are at hand.
+
+A run directory (or one of its checkpoint directories) holds everything needed: its
+`config.yaml` names the task and the model config, and its tiers hold the parameters.
+`load` builds the task's model abstractly, resolves where each parameter goes on the mesh
+it is given (one device by default: a notebook; or the run's own mesh, rebuilt with
+`run_mesh`), reads the parameters only (spmd.checkpoint.params_reader) and merges them into
+the task's `nnx.Module`, switched to eval mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh
+
+from spmd.checkpoint.params_reader import (
+    ParamsCheckpoint,
+    choose_checkpoint,
+    find_checkpoints,
+    read_params,
+)
+from spmd.checkpoint.policy import tier_dirs
+from spmd.config.load import build_task, load_config
+from spmd.config.schema import Config
+from spmd.engine.mesh import build_mesh
+from spmd.engine.state import ModelLayout, model_layout
+from spmd.errors import SpmdError
+from spmd.launch import LaunchEnv, bootstrap
+from spmd.sharding import MESH_AXES, RuleTable, rules_for, state_shardings
+from spmd.tasks import Task
+
+log = logging.getLogger("spmd.inference")
+
+CONFIG_NAME = "config.yaml"
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A trained model and what it came from.
+
+    `model`: the task's module holding the trained parameters (eval mode); `params`: the
+    same parameters as a pure dict of jax.Arrays (what jitted functions take); `layout`:
+    the model's graph and sharding report, to rebuild the module from other parameters.
+    """
+
+    model: nnx.Module
+    task: Task
+    config: Config
+    step: int
+    source: str
+    params: Any
+    mesh: Mesh
+    rules: RuleTable
+    layout: ModelLayout
+
+
+@dataclass(frozen=True)
+class RunLocation:
+    """Where `path` points: the run directory, and maybe one tier or one step in it."""
+
+    run_dir: Path
+    tier_root: Path | None = None
+    step: int | None = None
+
+
+def locate(path: str | Path) -> RunLocation:
+    """A run directory, a tier directory in it, or a step directory in a tier."""
+    path = Path(path).expanduser()
+    if (path / CONFIG_NAME).is_file():
+        return RunLocation(path)
+    if (path.parent / CONFIG_NAME).is_file():
+        return RunLocation(path.parent, path)
+    if path.name.isdigit() and (path.parent.parent / CONFIG_NAME).is_file():
+        return RunLocation(path.parent.parent, path.parent, int(path.name))
+    if not path.exists():
+        raise SpmdError(f"{path} does not exist; give a run directory (run.dir of a training "
+                        f"run) or one of its checkpoint directories")
+    raise SpmdError(f"{path}: no {CONFIG_NAME} here or above it; give a run directory "
+                    f"(run.dir of a training run, which holds {CONFIG_NAME}) or one of its "
+                    f"checkpoint directories")
+
+
+def run_config(where: RunLocation, overrides: list[str] | None = None) -> Config:
+    """The run's resolved config.yaml, plus `overrides` (e.g. data.path on another machine)."""
+    return load_config(where.run_dir / CONFIG_NAME, overrides)
+
+
+def find_checkpoint(where: RunLocation, cfg: Config, step: int | None) -> ParamsCheckpoint:
+    """The checkpoint `where` and `step` select: the newest of both tiers by default."""
+    if where.step is not None:
+        if step is not None and step != where.step:
+            raise SpmdError(f"{where.tier_root / str(where.step)} is step {where.step}, but "
+                            f"step {step} was asked for")
+        step = where.step
+    local_dir, persistent_dir = tier_dirs(cfg.checkpoint, where.run_dir)
+    if where.tier_root is not None:
+        root = where.tier_root.absolute()
+        found = [c for c in find_checkpoints(root, root) if c.path.parent == root]
+        label = str(where.tier_root)
+    else:
+        found = find_checkpoints(persistent_dir, local_dir)
+        label = f"{where.run_dir} (persistent tier {persistent_dir}, local tier {local_dir})"
+    return choose_checkpoint(found, step, label)
+
+
+def single_device_mesh(device: jax.Device | None = None) -> Mesh:
+    """A mesh of one device with every mesh axis (size 1): any rule table resolves on it."""
+    device = device or jax.devices()[0]
+    grid = np.array([device], dtype=object).reshape((1,) * len(MESH_AXES))
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def run_mesh(cfg: Config, node_of_process: list[int] | None = None) -> Mesh:
+    """The run's mesh (`mesh:` section) rebuilt over every device of this job."""
+    return build_mesh(cfg.mesh, jax.devices(), node_of_process)
+
+
+def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
+         overrides: list[str] | None = None, verify: bool = True) -> Trained:
+    """The trained model of a run directory (or checkpoint directory), on `mesh`.
+
+    `step`: that committed step (default: the newest of the persistent tier and the local
+    tier). `mesh`: where the parameters go (default: one device, every parameter whole on
+    it); any mesh with spmd's axis names works, e.g. `run_mesh(cfg)`. `overrides`: dotted
+    `key=value` changes to the run's config (a moved `data.path`, say). Only the parameters
+    are read from disk, checked against their checksums unless `verify` is false.
+    """
+    where = locate(path)
+    cfg = run_config(where, overrides)
+    ckpt = find_checkpoint(where, cfg, step)
+    task = build_task(cfg)
+    mesh = mesh if mesh is not None else single_device_mesh()
+    rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
+    layout = model_layout(task, cfg.train.seed, rules, mesh)
+    shardings = nnx.to_pure_dict(state_shardings(layout.abstract_params, rules, mesh))
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nnx.to_pure_dict(layout.abstract_params), shardings)
+    params = read_params(ckpt, target, verify=verify)
+    model = layout.merge(params)
+    model.eval()
+    log.info("loaded %s: %s", cfg.task, ckpt.describe())
+    return Trained(model=model, task=task, config=cfg, step=ckpt.step,
+                   source=ckpt.describe(), params=params, mesh=mesh, rules=rules,
+                   layout=layout)
+
+
+def load_for_job(path: str | Path, step: int | None = None,
+                 overrides: list[str] | None = None) -> tuple[Trained, LaunchEnv]:
+    """`load` onto the run's mesh over every device of this job, one call per rank.
+
+    Bootstraps the rank as training does (srun, mpiexec, `spmd run --entry ...`, or one
+    process), so `spmd eval` and `spmd predict` shard like the run; the caller ends a
+    multi-process job with `spmd.launch.shutdown()`.
+    """
+    cfg = run_config(locate(path), overrides)
+    env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
+                    heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
+    return load(path, step, mesh=run_mesh(cfg, env.node_of_rank), overrides=overrides), env

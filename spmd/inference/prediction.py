@@ -1,0 +1,176 @@
+"""`spmd predict`: batched inference over a data file, optionally rolled out autoregressively.
+
+The input field (`Task.prediction_input()`) is read from the file with the task's batch
+layout, in the file's example order, batch after batch, each batch sharded over every
+device of the job exactly as in training (under `spatial` a process reads and holds only
+its slab of a field). `Task.predict` maps a batch to the prediction. With `rollout` N > 1
+each prediction is fed back as the next input (a surrogate stepping in time), and every
+step is kept. Process 0 writes the predictions to an HDF5 file, under a temporary name
+renamed into place when complete:
+
+    prediction   (examples, *field)            rollout 1
+                 (examples, steps, *field)     rollout N > 1: step k is k + 1 model steps on
+
+The last batch is padded with the file's first examples and the padding is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from spmd.data.arrays import ArrayDataError, ArraySource
+from spmd.data.feed import BatchFeed
+from spmd.engine.pipeline_checks import check_pipeline
+from spmd.errors import SpmdError
+from spmd.inference.loading import Trained
+from spmd.sharding import activation_sharding
+from spmd.sharding.pipeline import pipeline_schedule
+
+log = logging.getLogger("spmd.inference")
+
+OUTPUT_DATASET = "prediction"
+
+
+@dataclass(frozen=True)
+class PredictionSummary:
+    """What `predict_file` wrote."""
+
+    output: Path
+    input: Path
+    dataset: str
+    examples: int
+    rollout: int
+    shape: tuple[int, ...]      # of the output dataset
+    seconds: float
+
+
+def input_source(trained: Trained, path: Path, split: str, dataset: str | None,
+                 batch_size: int) -> tuple[ArraySource, str]:
+    """The input field's source in `path`: `dataset`, else the task's dataset path for the
+    split (as data.fields or the task name it), else a dataset named like the field."""
+    task, cfg = trained.task, trained.config
+    name = task.prediction_input()
+    field = task.batch_fields()[name]
+    if dataset is not None:
+        candidates = [dataset]
+    else:
+        template = cfg.data.fields.get(name) or task.dataset_paths().get(name, name)
+        candidates = list(dict.fromkeys([template.format(split=split), name]))
+    problems = []
+    for candidate in candidates:
+        source = ArraySource(path, {name: candidate}, {name: field}, batch_size, shuffle=False,
+                             config_key="--input", fields_key="--dataset")
+        try:
+            source.check()
+            return source, candidate
+        except ArrayDataError as e:
+            problems.append(str(e))
+    raise SpmdError(f"--input {path}: no usable dataset for the input field '{name}' (tried "
+                    f"{candidates}; name one with --dataset): " + "; ".join(problems))
+
+
+def predict_file(trained: Trained, input_path: str | Path, output_path: str | Path, *,
+                 split: str = "test", dataset: str | None = None, rollout: int = 1,
+                 batch_size: int | None = None) -> PredictionSummary:
+    """Predict every example of `input_path` on `trained.mesh`; process 0 writes the file."""
+    if rollout < 1:
+        raise SpmdError(f"--rollout {rollout}: give 1 or more steps")
+    started = time.perf_counter()
+    task, cfg, mesh, rules = trained.task, trained.config, trained.mesh, trained.rules
+    input_path, output_path = Path(input_path), Path(output_path)
+    batch = int(batch_size or cfg.train.batch_size)
+    name = task.prediction_input()
+    field = task.batch_fields()[name]
+    source, found = input_source(trained, input_path, split, dataset, batch)
+    count = source.count
+    feed = BatchFeed({name: field}, batch, mesh, rules)
+    in_sharding = feed.shardings[name]
+    schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
+
+    def predict(params, inputs):
+        with activation_sharding(mesh, rules), pipeline_schedule(schedule):
+            return task.predict(trained.layout.merge(params), inputs)
+
+    abstract = {name: jax.ShapeDtypeStruct(field.global_shape(batch), field.dtype,
+                                           sharding=in_sharding)}
+    out = jax.eval_shape(predict, trained.params, abstract)
+    feeds_back = tuple(out.shape) == abstract[name].shape
+    if rollout > 1 and not feeds_back:
+        raise SpmdError(f"--rollout {rollout} feeds each prediction back as input field "
+                        f"'{name}' {abstract[name].shape}, but predictions have shape "
+                        f"{tuple(out.shape)}; use --rollout 1 for this task")
+    step = jax.jit(predict, out_shardings=in_sharding if feeds_back else None)
+    shape = (count, *((rollout,) if rollout > 1 else ()), *out.shape[1:])
+    writer = _Writer(output_path, shape, np.dtype(out.dtype), jax.process_index() == 0)
+    try:
+        for b in range(math.ceil(count / batch)):
+            rows = min(batch, count - b * batch)
+            inputs = feed.global_batch(source, b)
+            for k in range(rollout):
+                pred = step(trained.params, inputs)
+                host = multihost_utils.process_allgather(pred, tiled=True)
+                writer.write(b * batch, k if rollout > 1 else None, np.asarray(host)[:rows])
+                if k + 1 < rollout:
+                    inputs = {name: pred.astype(field.dtype)}
+        writer.commit({"task": cfg.task or "", "checkpoint": trained.source,
+                       "step": trained.step, "input": str(input_path), "dataset": found,
+                       "rollout": rollout, "batch_size": batch})
+    finally:
+        writer.close()
+        source.close()
+    seconds = time.perf_counter() - started
+    log.info("predicted %d examples x %d step(s) of %s in %.1f s -> %s", count, rollout,
+             found, seconds, output_path)
+    return PredictionSummary(output_path, input_path, found, count, rollout, shape, seconds)
+
+
+class _Writer:
+    """The output file of process 0 (other processes write nothing): tmp name, then rename."""
+
+    def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype, enabled: bool):
+        self.path, self.enabled, self._file = path, enabled, None
+        self.tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        if not enabled:
+            return
+        import h5py
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._file = h5py.File(self.tmp, "w")
+        except OSError as e:
+            raise SpmdError(f"--output {path}: cannot write {self.tmp}: {e}") from e
+        chunk = (1, *shape[1:])
+        self.data = self._file.create_dataset(OUTPUT_DATASET, shape=shape, dtype=dtype,
+                                              chunks=chunk)
+
+    def write(self, start: int, step: int | None, values: np.ndarray) -> None:
+        if self._file is None:
+            return
+        rows = slice(start, start + len(values))
+        if step is None:
+            self.data[rows] = values
+        else:
+            self.data[rows, step] = values
+
+    def commit(self, attrs: dict) -> None:
+        if self._file is None:
+            return
+        self.data.attrs.update(attrs)
+        self._file.close()
+        self._file = None
+        os.replace(self.tmp, self.path)
+
+    def close(self) -> None:
+        if self._file is not None:  # not committed: an error on the way
+            self._file.close()
+            self._file = None
+            self.tmp.unlink(missing_ok=True)

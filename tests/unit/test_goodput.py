@@ -1,0 +1,125 @@
+"""The goodput ledger over hand-made records: three jobs (preempted, killed, finished), the
+parts of each, lost work after the last kept step, queue gaps, and an older run directory
+whose records carry less."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd.rundir.goodput import PARTS, build_ledger
+
+
+def ev(event: str, t: float, rank: int = 0, **fields) -> dict:
+    return {"event": event, "time": t, "rank": rank, "host": "h", **fields}
+
+
+def steps(first: int, last: int, t0: float, dt: float) -> list[dict]:
+    return [{"step": s, "time": t0 + (s - first + 1) * dt, "loss": 1.0, "step_time_s": dt}
+            for s in range(first, last + 1)]
+
+
+def three_jobs() -> tuple[list[dict], list[dict]]:
+    events = [
+        ev("started", 102, size=2, nodes=1, job_id="7", restart_count=0, process_start=100),
+        ev("started", 102.1, rank=1, size=2, process_start=100),
+        ev("initialized", 104, step=0, seconds=1.0),
+        ev("evaluated", 104.5, step=0, eval_loss=1.0, seconds=0.5),
+        ev("compiled", 106, seconds=1.5),
+        ev("saved", 109, tier="local", step=5, blocking_s=0.1, waited_s=0.0),
+        ev("evaluated", 111.2, step=10, eval_loss=0.5, seconds=0.2),
+        ev("saved", 111.5, tier="local", step=10, blocking_s=0.05, waited_s=0.0, shared=True),
+        ev("saved", 111.6, tier="persistent", step=10, blocking_s=0.05, waited_s=0.0,
+           shared=True),
+        ev("closed", 111.9, seconds={"checkpoint": 0.3, "metrics": 0.01}),
+        ev("preempted", 112, step=10, reason="SIGTERM", exit_code=75),
+        ev("started", 121, size=2, nodes=1, job_id="8", restart_count=1, process_start=120),
+        ev("restored", 123, step=10, source="local", seconds=0.5),
+        ev("compiled", 124, seconds=0.5),
+        ev("saved", 129.5, tier="local", step=15, blocking_s=0.2, waited_s=0.1),
+        ev("started", 141, size=2, nodes=1, job_id="9", restart_count=0, process_start=140),
+        ev("restored", 142, step=15, source="local", seconds=0.5),
+        ev("compiled", 143, seconds=0.5),
+        ev("closed", 148.5, seconds={"checkpoint": 0.1}),
+        ev("finished", 149, step=20),
+    ]
+    metrics = [{"step": 0, "eval_loss": 1.0}, *steps(1, 10, 106, 0.5),
+               *steps(11, 16, 124, 1.0), *steps(16, 20, 143, 1.0)]
+    return events, metrics
+
+
+def test_jobs_parts_lost_work_and_queue():
+    ledger = build_ledger(*three_jobs(), batch_size=8)
+    a, b, c = ledger.jobs
+    assert [(j.job_id, j.restart_count, j.exit_status) for j in ledger.jobs] == [
+        ("7", 0, 75), ("8", 1, None), ("9", 0, 0)]
+    assert a.reason == "preempted (SIGTERM)" and b.reason.startswith("lost")
+    assert (a.start, a.end, b.start, b.end, c.start, c.end) == (100, 112, 120, 130, 140, 149)
+    assert a.parts == pytest.approx({
+        "bootstrap": 3.0, "restore": 1.0, "compile": 1.5, "evaluation": 0.7,
+        "checkpoint": 0.1 + 0.05 + 0.3, "training": 5.0 - 0.1, "lost": 0.0, "other": 0.45})
+    # job b: steps 11..16, the next job resumed from 15: step 16 (1 s) was lost
+    assert (b.restored_step, b.last_step, b.lost_steps) == (10, 16, 1)
+    assert b.parts["lost"] == pytest.approx(1.0)
+    assert b.parts["training"] == pytest.approx(6.0 - 0.3 - 1.0)
+    assert b.productive_steps == 5 and c.productive_steps == 5 and a.productive_steps == 10
+    assert (b.queue_before_s, c.queue_before_s) == (8.0, 10.0)
+    assert ledger.lost_steps == 1
+    assert ledger.wall_s == 49.0
+    assert sum(ledger.totals.values()) == pytest.approx(ledger.wall_s, rel=1e-12)
+    assert ledger.goodput == pytest.approx(ledger.totals["training"] / 49.0)
+    assert ledger.throughput["samples_per_s"] == pytest.approx(
+        8 * 20 / ledger.totals["training"])
+
+
+def test_a_killed_last_job_loses_what_it_did_after_its_last_commit():
+    events, metrics = three_jobs()
+    events, metrics = events[:-5], metrics[:-5]   # the run ends with the killed job b
+    ledger = build_ledger(events, metrics)
+    assert len(ledger.jobs) == 2
+    assert ledger.jobs[1].lost_steps == 1          # saved 15, logged 16
+    assert sum(ledger.totals.values()) == pytest.approx(ledger.wall_s)
+
+
+def test_an_older_run_directory_is_reported_with_what_it_has():
+    events = [ev("started", 10, size=1), ev("initialized", 11, step=0),
+              ev("compiled", 12, seconds=0.5), ev("finished", 20, step=4)]
+    metrics = [{"step": s, "loss": 1.0, "step_time_s": 0.1} for s in range(1, 5)]  # no time
+    ledger = build_ledger(events, metrics)
+    (job,) = ledger.jobs
+    assert (job.start, job.end, job.exit_status) == (10, 20, 0)
+    assert set(job.parts) == set(PARTS)
+    assert job.parts["bootstrap"] == 1.0 and job.parts["compile"] == 0.5
+    assert sum(job.parts.values()) == pytest.approx(10.0)
+    assert ledger.goodput == 0.0
+
+
+def test_no_job_yet():
+    ledger = build_ledger([], [])
+    assert ledger.jobs == [] and ledger.wall_s == 0.0
+
+
+def test_spmd_report_prints_the_table_and_draws_the_timeline(tmp_path, capsys):
+    import json
+
+    from spmd.cli.main import main
+
+    events, metrics = three_jobs()
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics)
+                                            + '{"step": 21, "lo')   # cut short by a kill
+    (tmp_path / "config.yaml").write_text("train:\n  batch_size: 8\n")
+    assert main(["report", str(tmp_path), "--plot"]) == 0
+    out = capsys.readouterr().out
+    assert "preempted (SIGTERM)" in out and "lost (no end record" in out
+    assert "goodput" in out and "queue" in out and "samples_per_s" in out
+    assert (tmp_path / "plots" / "timeline.png").stat().st_size > 0
+    assert main(["report", str(tmp_path / "missing")]) != 0
+    assert "no events" in capsys.readouterr().err
+
+
+def test_a_long_lived_interpreter_starts_its_job_at_run_start():
+    from spmd.rundir.goodput import job_start
+
+    assert job_start({"time": 50, "process_start": 40, "run_start": 45}) == 40
+    assert job_start({"time": 5000, "process_start": 40, "run_start": 4990}) == 4990
+    assert job_start({"time": 50}) == 50
