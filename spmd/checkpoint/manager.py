@@ -25,7 +25,7 @@ from spmd.checkpoint.coordination import CheckpointCoordinator, CheckpointTimeou
 from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.local import LocalTier, partner_map
-from spmd.checkpoint.persistent import PersistentTier, persistent_error
+from spmd.checkpoint.persistent import MANIFEST, PersistentTier, persistent_error
 from spmd.checkpoint.policy import SavePolicy, tier_dirs
 from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
@@ -84,6 +84,14 @@ class _Worker:
         err, self._error = self._error, None
         if err is not None:
             raise err
+
+
+def _newer_persistent(persistent: PersistentTier, step: int) -> dict:
+    """Persistent steps newer than the restored `step`: those never committed (no manifest:
+    an abandoned save) to discard, and those with a manifest (damaged) to keep and name."""
+    newer = [s for s in persistent.orbax_steps() if s > step]
+    committed = [s for s in newer if (persistent.step_dir(s) / MANIFEST).exists()]
+    return {"ok": True, "steps": [s for s in newer if s not in committed], "kept": committed}
 
 
 def _decide_local(votes: list[dict]) -> dict:
@@ -193,12 +201,20 @@ class HierarchicalCheckpointer:
             persistent = self.persistent
             persistent.orbax_steps(reload=True)  # every rank: Orbax's delete checks its cache
             newer = self._main.agree("agree on persistent steps to discard", {"ok": True},
-                                     lambda v: {"ok": True, "steps": [
-                                         s for s in persistent.orbax_steps() if s > step]})
+                                     lambda v: _newer_persistent(persistent, step))
+            for s in newer["kept"]:
+                if self.rank == 0:
+                    where = persistent.step_dir(s) / MANIFEST
+                    log.warning("persistent step %d is newer than the restored step %d but was "
+                                "not used (its manifest %s is damaged, or its files are); kept "
+                                "for inspection: `spmd ckpt verify`", s, step, where)
+                    self._emit("checkpoint_kept", step=s, tier="persistent", manifest=str(where),
+                               reason=f"newer than the restored step {step} but not usable")
             for s in newer["steps"]:
                 if self.rank == 0:
                     self._emit("checkpoint_discarded", step=s, tier="persistent",
-                               reason=f"newer than the restored step {step} but not usable")
+                               reason=f"newer than the restored step {step}, never committed "
+                                      "(no manifest)")
                 self.persistent.delete(s)
             if step in self.persistent.committed_steps():
                 self._last["persistent"] = step
@@ -329,7 +345,8 @@ class HierarchicalCheckpointer:
                            bytes=decision["bytes"],
                            files=decision["files"], seconds=round(decision["seconds"], 4),
                            orbax_start_s=round(started, 4),
-                           orbax_wait_s=round(decision["orbax_s"], 4), **timing)
+                           orbax_wait_s=round(decision["orbax_s"], 4),
+                           dropped=decision["dropped"], **timing)
 
         worker.submit(step, job)
         if not self.use_async:

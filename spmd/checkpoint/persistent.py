@@ -185,6 +185,7 @@ class PersistentTier:
         import orbax.checkpoint as ocp
 
         self.root, self.rank, self.size, self.coord = root, rank, size, coord
+        self.keep = keep
         self._ocp, self.compress = ocp, compress
         if size > 1:
             use_kv_store_barriers()
@@ -266,9 +267,21 @@ class PersistentTier:
         decision = self.coord.agree(f"finish the persistent save of step {step}", vote,
                                     lambda votes: _write_manifest(where, step, votes, self.size))
         if decision["ok"]:
+            decision["dropped"] = self.prune()
             decision["seconds"] = time.perf_counter() - t0
             decision["orbax_s"] = orbax_s  # this rank's wait for Orbax; the rest: our manifest
         return decision
+
+    def prune(self) -> list[int]:
+        """Delete committed steps beyond the newest `keep` (every rank, after a commit).
+
+        Orbax applies the preservation policy while the new step has no manifest yet, so it
+        keeps that step besides the `keep` committed ones; this brings the tier back to `keep`.
+        """
+        old = self.committed_steps(reload=True)[:-self.keep]
+        for step in old:
+            self.delete(step)
+        return old
 
     def verify(self, step: int) -> list[str]:
         """This rank's share of the manifest check of `step` (all ranks together check all)."""

@@ -80,6 +80,11 @@ class TrainConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     eval_every: int = Field(0, ge=0)
     donate: bool = True
+    # A non-finite loss or gradient norm: `stop` ends the run (status 65) without saving the
+    # non-finite state; `skip` leaves parameters and optimizer state unchanged for that step
+    # and stops after `max_skips` skipped steps in a row.
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_skips: int = Field(10, ge=1)
     # Pipelined strategies (layers on stage): microbatches per step and their schedule;
     # repeats > 1 is a circular gpipe (stage k runs layer chunks k, k + S, ...).
     microbatches: int = Field(1, ge=1)

@@ -81,7 +81,13 @@ class _Store:
 
     def _find(self, dataset: str, key: str) -> Any:
         if self._h5 is not None:
-            node = self._h5.get(dataset)
+            try:
+                node = self._h5.get(dataset)
+            except (OSError, KeyError, RuntimeError) as e:  # h5py: KeyError for a bad header
+                raise ArrayDataError(
+                    f"{self.where}: HDF5 dataset '{dataset}' ({key}) cannot be read "
+                    f"({type(e).__name__}: {e}); the file may be truncated or corrupt "
+                    f"(left unchanged)") from None
             if not isinstance(node, h5py.Dataset):
                 raise ArrayDataError(
                     f"{self.where}: HDF5 dataset '{dataset}' ({key}) is missing; the file has "
@@ -273,13 +279,22 @@ class ArraySource:
             shape = tuple(hi - lo for lo, hi in box)
             value = np.empty((len(records), *shape), dtype=field.dtype)
             for i, record in enumerate(records):
-                got = np.asarray(array[(record, *index)])
+                got = self._read(array, (record, *index), name)
                 value[i] = got.reshape(shape)
                 self.records_read += 1
                 self.bytes_read += got.nbytes
                 self.last_reads.append((name, record, index))
             out[name] = value
         return out
+
+    def _read(self, array: Any, index: tuple, name: str) -> np.ndarray:
+        try:
+            return np.asarray(array[index])
+        except (OSError, KeyError, RuntimeError) as e:  # a damaged chunk of the file
+            raise ArrayDataError(
+                f"{self.where}: reading record {index[0]} of dataset '{self.datasets[name]}' "
+                f"({self.fields_key}.{name}) failed ({type(e).__name__}: {e}); the file may be "
+                f"truncated or corrupt (left unchanged)") from None
 
     def close(self) -> None:
         if self._store is not None:

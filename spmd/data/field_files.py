@@ -189,9 +189,10 @@ def inspect_fields(path: Path) -> FieldsInfo:
                     if channels.setdefault(name, ch) != ch:
                         raise DatasetError(f"{where}: '{key}' has {ch} channels, other splits "
                                            f"{channels[name]}")
-    except OSError as e:
-        raise DatasetError(f"{where}: cannot read the HDF5 file ({e}); it may be truncated "
-                           f"or corrupt (left unchanged)") from None
+    except (OSError, KeyError, RuntimeError) as e:  # h5py: KeyError for a damaged header
+        raise DatasetError(f"{where}: cannot read the HDF5 file ({type(e).__name__}: {e}); it "
+                           f"may be truncated or corrupt: make it again with `spmd data make "
+                           f"CONFIG --force` (left unchanged)") from None
     if len(grids) != 1 or attrs.get("grid") not in grids:
         raise DatasetError(
             f"{where}: HDF5 attribute 'grid'={attrs.get('grid')} does not match the dataset "

@@ -42,11 +42,24 @@ def learning_rate(train: TrainConfig) -> optax.Schedule:
     return optax.constant_schedule(train.lr)
 
 
+# optax.apply_if_finite applies a non-finite update after this many in a row; the trainer
+# stops long before (train.max_skips), so in effect never.
+_NEVER = 2**30
+
+
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """AdamW on `learning_rate(train)` and optional global-norm clipping."""
+    """AdamW on `learning_rate(train)` and optional global-norm clipping.
+
+    With `train.nonfinite: skip`, wrapped in `optax.apply_if_finite`: a step whose gradients
+    are not finite leaves parameters and optimizer state as they were, and the optimizer
+    state counts skips (`skips`, `skips_in_a_row` in the step's metrics).
+    """
     parts = [optax.clip_by_global_norm(train.grad_clip)] if train.grad_clip else []
     parts.append(optax.adamw(learning_rate(train), weight_decay=train.weight_decay))
-    return optax.chain(*parts)
+    tx = optax.chain(*parts)
+    if train.nonfinite == "skip":
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=_NEVER)
+    return tx
 
 
 @dataclass(frozen=True)

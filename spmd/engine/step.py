@@ -30,7 +30,13 @@ def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        metrics = {"loss": loss, "grad_norm": grad_norm,
+                   "nonfinite": (~finite).astype(jnp.float32), **aux}
+        if isinstance(opt_state, optax.ApplyIfFiniteState):  # train.nonfinite: skip
+            metrics["skips"] = opt_state.total_notfinite.astype(jnp.float32)
+            metrics["skips_in_a_row"] = opt_state.notfinite_count.astype(jnp.float32)
         return new_state, metrics
 
     return jax.jit(

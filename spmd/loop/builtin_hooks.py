@@ -1,4 +1,4 @@
-"""The built-in hooks: preemption, metrics, evaluation, checkpointing, plots.
+"""The built-in hooks: preemption, non-finite values, metrics, evaluation, checkpointing, plots.
 
 They use the same `Hook` protocol as a user's hooks (spmd.loop.hooks): the preemption hook
 stops the run by returning a `Stop`, as a user's hook would, and the trainer, not the hook,
@@ -19,9 +19,11 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from spmd.config.schema import TrainConfig
 from spmd.data.batch import DataSource
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import learning_rate
+from spmd.errors import ExitCode
 from spmd.loop.hooks import StepInfo, Stop
 from spmd.loop.throughput import FlopRate
 from spmd.rundir.metrics import EventLog, JsonlWriter, Progress
@@ -196,16 +198,68 @@ class EvalHook:
             self._evaluate(info)
 
 
+class NonfiniteHook:
+    """Ends the run on a non-finite loss or gradient norm before that state can be saved.
+
+    It reads the step's metrics only where they are read anyway or where a checkpoint may be
+    taken: logged steps, the checkpoint periods and the last step (`check_every`), so it adds
+    no host synchronization in between. `train.nonfinite: stop`: the first non-finite step
+    seen ends the run; `skip`: the optimizer left such steps out (spmd.engine.state) and the
+    run ends after `train.max_skips` of them in a row. Either way with ExitCode.NONFINITE,
+    and the checkpoint hook saves nothing of the stopping step.
+    """
+
+    def __init__(self, train: TrainConfig, check_every: tuple[int, ...], events: EventLog):
+        self.mode, self.max_skips = train.nonfinite, train.max_skips
+        self.check_every = tuple(n for n in check_every if n > 0)
+        self.events = events
+        self.checked = 0                # the last step whose metrics were read
+        self.stop: Stop | None = None
+
+    def start(self, info: StepInfo) -> None:
+        self.checked = info.step
+
+    def __call__(self, info: StepInfo) -> Stop | None:
+        if not (info.final or any(info.step % n == 0 for n in self.check_every)):
+            return None
+        since, self.checked = self.checked, info.step
+        values = info.values
+        if self.mode == "skip":
+            in_a_row = int(values.get("skips_in_a_row", 0))
+            if in_a_row < self.max_skips:
+                return None
+            why = (f"{in_a_row} steps in a row had a non-finite loss or gradient norm and were "
+                   f"skipped (train.max_skips={self.max_skips})")
+        else:
+            if not values.get("nonfinite"):
+                return None
+            when = (f"step {info.step}" if since == info.step - 1
+                    else f"a step in {since + 1}..{info.step}")
+            why = f"non-finite loss or gradient norm at {when} (train.nonfinite=stop)"
+        reason = (f"{why}: at step {info.step} loss {values['loss']}, grad_norm "
+                  f"{values['grad_norm']}; nothing of it was saved, the newest checkpoint is "
+                  f"finite: lower train.lr (or set train.nonfinite=skip) and run again")
+        log.error("stopping: %s", reason)
+        self.events.emit("nonfinite_stop", step=info.step, mode=self.mode,
+                         loss=str(values["loss"]), grad_norm=str(values["grad_norm"]))
+        self.stop = Stop(reason, exit_code=ExitCode.NONFINITE)
+        return self.stop
+
+
 class CheckpointHook:
     """Offers every step to the checkpointer (its policy decides); forces a save at the
     last step, and tells the checkpointer whether the run ends there (checkpoint.final) or
-    is preempted."""
+    is preempted. Nothing is saved of a step whose state `nonfinite` found non-finite."""
 
-    def __init__(self, checkpointer, preemption: PreemptionHook | None = None) -> None:
+    def __init__(self, checkpointer, preemption: PreemptionHook | None = None,
+                 nonfinite: NonfiniteHook | None = None) -> None:
         self.checkpointer = checkpointer
         self.preemption = preemption
+        self.nonfinite = nonfinite
 
     def __call__(self, info: StepInfo) -> None:
+        if self.nonfinite is not None and self.nonfinite.stop is not None:
+            return
         self.checkpointer.maybe_save(info.step, info.state, force=info.final,
                                      finished=info.final and not preempted(self.preemption))
 

@@ -26,6 +26,9 @@ runs, and the trainer alone turns the stop into the exit status (`spmd.errors.Ex
 - `Stop(reason, preempted=True)`: the allocation is going away (signal, halt file, wall
   time). Status 75 (`ExitCode.PREEMPTED`, the job script requeues), event `preempted` with
   the step, the reason and the status. The built-in preemption hook returns this.
+- `Stop(reason, exit_code=ExitCode.NONFINITE)` (any status but 0): the run itself failed.
+  The trainer exits with that status after the `stopped` event; the built-in checkpoint hook
+  saves nothing of that step. The built-in non-finite hook returns this.
 
 Step convention: `info.step` counts updates done (1 after the first step; the last is
 train.steps). metrics.jsonl, events.jsonl and checkpoint step numbers all use it; an
@@ -77,6 +80,9 @@ class Stop:
 
     reason: str              # why, in words: logged and written to events.jsonl
     preempted: bool = False  # True: save and exit 75 for a requeue; False: a clean end, 0
+    # A failure of the run itself (e.g. ExitCode.NONFINITE): the trainer exits with it, and
+    # the state of this step is not saved. None: 75 when preempted, else 0.
+    exit_code: int | None = None
 
 
 HookFn = Callable[[StepInfo], Stop | None]

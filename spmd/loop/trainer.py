@@ -40,6 +40,7 @@ from spmd.loop.builtin_hooks import (
     CheckpointHook,
     EvalHook,
     MetricsHook,
+    NonfiniteHook,
     PlotsHook,
     PreemptionHook,
     StepClock,
@@ -97,8 +98,6 @@ class Trainer:
             setup_logging(run_dir, env.rank, debug)
             if cfg.run.compilation_cache is not None:
                 use_compilation_cache(cfg.run.compilation_cache)
-            if env.rank == 0:
-                (run_dir / "config.yaml").write_text(cfg.to_yaml())
             events = EventLog(run_dir / "events.jsonl", env.rank)
             events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
                         restart_count=env.restart_count, job_id=env.job_id, task=cfg.task,
@@ -108,7 +107,8 @@ class Trainer:
             return self.fit(env, events)
         except BaseException as e:
             if events is not None:  # how this job ended, for `spmd report`
-                events.emit("failed", error=f"{type(e).__name__}: {e}"[:500])
+                # recorded, not logged: the CLI prints the error itself, once
+                events.record("failed", error=f"{type(e).__name__}: {e}"[:500])
             raise
         finally:
             if env.size > 1:
@@ -136,6 +136,8 @@ class Trainer:
         """Train on an initialized JAX runtime; returns the process exit status."""
         cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
         rt = self.build(env)
+        if is_main:  # only a config that builds (task, mesh, shardings) replaces the run's
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
         began = time.perf_counter()
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
         restored = checkpointer.restore(rt.state.abstract)
@@ -211,6 +213,10 @@ class Trainer:
             events.emit("finished", step=step)
             return ExitCode.OK
         hook, request = stopped
+        if request.exit_code is not None and request.exit_code != ExitCode.OK:
+            events.emit("stopped", step=step, hook=hook, reason=request.reason,
+                        exit_code=int(request.exit_code))
+            return int(request.exit_code)
         if request.preempted:
             events.emit("preempted", step=step, reason=request.reason,
                         exit_code=ExitCode.PREEMPTED)
@@ -239,13 +245,16 @@ class Trainer:
         if profiling(cfg.run.profile, env.rank):  # first: the trace stops right after an update
             hooks.append(Hook(ProfilerHook(cfg.run.profile, run_dir, env.rank, events), 1,
                               "profiler"))
-        hooks += [Hook(preemption, 1, "preemption"),
+        # before any hook that reads metrics or saves: it stops a non-finite run first
+        nonfinite = NonfiniteHook(cfg.train, (cfg.run.log_every, cfg.checkpoint.every,
+                                              cfg.checkpoint.persistent_every), events)
+        hooks += [Hook(preemption, 1, "preemption"), Hook(nonfinite, 1, "nonfinite"),
                   Hook(metrics, cfg.run.log_every, "metrics")]
         if rt.eval_step is not None and cfg.train.eval_every:
             hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main, preemption),
                               cfg.train.eval_every, "evaluation"))
         hooks += self._user_hooks
-        hooks.append(Hook(CheckpointHook(checkpointer, preemption), 1, "checkpoint"))
+        hooks.append(Hook(CheckpointHook(checkpointer, preemption, nonfinite), 1, "checkpoint"))
         if is_main and cfg.run.plots:
             hooks.append(Hook(PlotsHook(run_dir, events, rt.task, preemption),
                               max(cfg.train.steps, 1), "plots"))

@@ -57,6 +57,23 @@ class LeaseHeld(SpmdError):
     """Another live run holds the run directory's lease."""
 
 
+class RunDirError(SpmdError):
+    """run.dir cannot hold a run: it is a file, or it cannot be created or written."""
+
+
+def unusable_run_dir(run_dir: Path, error: OSError) -> RunDirError:
+    """The one-line error for an OSError met while creating or writing in `run_dir`."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        what = "is a file, not a directory"
+    else:
+        blocker = next((p for p in run_dir.parents if p.exists() and not p.is_dir()), None)
+        what = (f"cannot be created: {blocker} is a file" if blocker is not None else
+                f"cannot be written ({error.strerror or error}: {error.filename or run_dir})")
+    return RunDirError(f"run.dir={run_dir} {what}; point run.dir at a directory this user "
+                       f"can write (nothing of the run was written)")
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds (or wants) a lease; written as the lease file's JSON."""
@@ -145,7 +162,10 @@ def judge(holder: Holder, mtime: float, *, host: str, job_id: str | None, restar
 def inspect_lease(run_dir: Path, stale_s: float,
                   environ: Mapping[str, str] | None = None) -> LeaseState | None:
     """The lease of `run_dir` as seen from this process (None when no run holds it)."""
-    got = read_lease(Path(run_dir) / LEASE_NAME)
+    try:
+        got = read_lease(Path(run_dir) / LEASE_NAME)
+    except OSError as e:
+        raise unusable_run_dir(run_dir, e) from None
     if got is None:
         return None
     holder, mtime = got
@@ -240,6 +260,8 @@ class RunLease:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 previous = take(run_dir, me, stale_s)
+            except OSError as e:
+                decision, error = "refused", unusable_run_dir(run_dir, e)
             except BaseException as e:  # every rank must hear of it, whatever it is
                 decision, error = "refused", e
         group = RankGroup(env, timeout_s, "launch.barrier_timeout_s", "lease")

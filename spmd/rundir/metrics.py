@@ -15,7 +15,8 @@ log = logging.getLogger("spmd")
 
 
 def setup_logging(run_dir: Path, rank: int, debug: bool = False) -> Path:
-    """Every rank logs to run_dir/logs/rank<r>.log; rank 0 also to stderr (warnings: all ranks)."""
+    """Every rank logs to run_dir/logs/rank<r:05d>.log; rank 0 also to stderr (warnings: all
+    ranks)."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / f"rank{rank:05d}.log"
@@ -78,6 +79,10 @@ class EventLog(JsonlWriter):
 
     def emit(self, event: str, **fields: Any) -> None:
         log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
+        self.record(event, **fields)
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Write an event without logging it (when the log or the CLI says it already)."""
         self.write({"event": event, "time": time.time(), "rank": self.rank,
                     "host": socket.gethostname(), **fields})
 

@@ -1,0 +1,126 @@
+"""Non-finite values (issue 23, item 4 and fault 5b): `train.nonfinite: stop` ends the run
+with status 65 and one line naming the step, loss and gradient norm, before any checkpoint of
+the non-finite state; `skip` leaves the parameters unchanged for a bad step and goes on, and
+stops after `train.max_skips` bad steps in a row."""
+
+from __future__ import annotations
+
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+import spmd
+from spmd.checkpoint.listing import (
+    scan_local,
+    scan_persistent,
+    verify_local,
+    verify_persistent,
+)
+from spmd.config.load import with_overrides
+from spmd.errors import ExitCode
+from spmd.loop.hooks import StepInfo
+from spmd.tasks.regression import RegressionTask
+from tests.helpers.records import read_jsonl
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """A run in this process installs its preemption signal handlers; put pytest's back."""
+    watched = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    saved = {s: signal.getsignal(s) for s in watched}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+BAD_STEP = 3  # the batch of update 3 (data step 2) holds a NaN
+
+
+class BadBatch:
+    """The task's own source, except for one NaN in the batch of data step BAD_STEP - 1."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def rows(self, step, start, stop):
+        rows = self.inner.rows(step, start, stop)
+        if step == BAD_STEP - 1 and start == 0:
+            first = next(iter(rows))
+            rows[first] = rows[first].copy()
+            rows[first].flat[0] = np.nan
+        return rows
+
+
+class BadBatchTask(RegressionTask):
+    def train_source(self):
+        return BadBatch(super().train_source())
+
+
+def config(run_dir, **train) -> dict:
+    return {"task": "tests.unit.test_nonfinite:BadBatchTask",
+            "run": {"dir": str(run_dir), "plots": False, "progress": False},
+            "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4, "num_layers": 1},
+            "train": {"steps": 6, "batch_size": 8, **train},
+            "checkpoint": {"every": 1, "persistent_every": 1, "keep": 10}}
+
+
+def params_by_step(run_dir, cfg) -> tuple[int, dict[int, list[np.ndarray]]]:
+    seen: dict[int, list[np.ndarray]] = {}
+
+    def keep(info: StepInfo) -> None:
+        seen[info.step] = [np.asarray(x) for x in jax.tree.leaves(
+            jax.device_get(info.state.params))]
+
+    return spmd.train(cfg, task=BadBatchTask, hooks=[(keep, 1)]), seen
+
+
+def test_stop_ends_the_run_before_saving_the_nonfinite_state(run_dir):
+    code, _ = params_by_step(run_dir, config(run_dir))
+    assert code == ExitCode.NONFINITE == 65
+    events = read_jsonl(run_dir / "events.jsonl")
+    stopped = [e for e in events if e["event"] == "stopped"][-1]
+    assert (stopped["step"], stopped["exit_code"], stopped["hook"]) == (BAD_STEP, 65,
+                                                                        "nonfinite")
+    assert f"at step {BAD_STEP}" in stopped["reason"] and "loss nan" in stopped["reason"]
+    assert "grad_norm nan" in stopped["reason"] and "train.lr" in stopped["reason"]
+    saved = {(e["tier"], e["step"]) for e in events if e["event"] == "saved"}
+    assert saved == {(t, s) for t in ("local", "persistent") for s in range(1, BAD_STEP)}
+    assert [s.step for s in scan_local(run_dir / "local")] == [1, 2]
+    assert verify_local(run_dir / "local")[0] == []
+    assert verify_persistent(run_dir / "checkpoints")[0] == []
+    newest = spmd.load(run_dir)
+    assert newest.step == BAD_STEP - 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(newest.params))
+
+
+def test_stop_names_the_range_when_steps_between_checks_were_not_read(run_dir):
+    cfg = with_overrides(config(run_dir), ["run.log_every=5", "checkpoint.every=0",
+                                          "checkpoint.persistent_every=0"])
+    assert spmd.train(cfg, task=BadBatchTask) == ExitCode.NONFINITE
+    stopped = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stopped"][-1]
+    assert stopped["step"] == 5 and "at a step in 1..5" in stopped["reason"]
+    assert scan_persistent(run_dir / "checkpoints") == []    # not even the final save
+
+
+def test_skip_leaves_the_bad_step_out_and_goes_on(run_dir):
+    code, seen = params_by_step(run_dir, config(run_dir, nonfinite="skip"))
+    assert code == ExitCode.OK
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(seen[BAD_STEP], seen[BAD_STEP - 1]))
+    assert any(a.tobytes() != b.tobytes() for a, b in zip(seen[BAD_STEP + 1], seen[BAD_STEP]))
+    records = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+    assert [records[s]["skips"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
+    assert records[BAD_STEP]["skips_in_a_row"] == 1
+    assert records[BAD_STEP + 1]["skips_in_a_row"] == 0
+    assert spmd.load(run_dir).step == 6
+
+
+def test_skip_stops_after_max_skips_in_a_row(run_dir):
+    cfg = config(run_dir, nonfinite="skip", max_skips=2, lr=1e6)
+    code, _ = params_by_step(run_dir, cfg)
+    assert code == ExitCode.NONFINITE
+    stopped = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stopped"][-1]
+    assert "2 steps in a row" in stopped["reason"] and "train.max_skips=2" in stopped["reason"]
+    newest = spmd.load(run_dir)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(newest.params))
