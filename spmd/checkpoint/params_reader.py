@@ -31,7 +31,13 @@ from spmd.checkpoint.interface import CheckpointError
 from spmd.checkpoint.layout import leaf_paths
 from spmd.checkpoint.listing import scan_local, scan_persistent
 from spmd.checkpoint.local import DATA, INDEX, MARKER, rank_name
-from spmd.checkpoint.persistent import LEGACY_ITEM, PARAMS, read_manifest, restore_args
+from spmd.checkpoint.persistent import (
+    LEGACY_ITEM,
+    PARAMS,
+    read_manifest,
+    restore_args,
+    verify_files,
+)
 
 log = logging.getLogger("spmd.checkpoint")
 
@@ -115,22 +121,14 @@ def _read_persistent(ckpt: ParamsCheckpoint, target: Any, verify: bool) -> Any:
 
 
 def _verify_item(step_dir: Path, item: str) -> None:
-    from spmd.checkpoint.files import crc32_file
-
+    """The manifest check of one item's files (the tier's own `verify_files`, one process)."""
     manifest = read_manifest(step_dir)
     if manifest is None:
         raise CheckpointError(f"{step_dir}: its manifest is missing or unreadable")
-    for rel, want in sorted(manifest["files"].items()):
-        if not rel.startswith(f"{item}/"):
-            continue
-        path = step_dir / rel
-        try:
-            value, n = crc32_file(path)
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
-        if n != want["nbytes"] or hex32(value) != want["crc32"]:
-            raise ChecksumError(path, f"crc32 {hex32(value)} over {n} bytes, the manifest "
-                                      f"says {want['crc32']} over {want['nbytes']} bytes")
+    files = {rel: want for rel, want in manifest["files"].items() if rel.startswith(f"{item}/")}
+    problems = verify_files(step_dir, {"files": files}, rank=0, size=1)
+    if problems:
+        raise CheckpointError("; ".join(problems))
 
 
 # ---------------------------------------------------------------- local tier

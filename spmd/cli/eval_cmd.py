@@ -7,29 +7,24 @@ from __future__ import annotations
 import argparse
 import json
 
+from spmd.cli.trained_args import add_overrides_argument, add_trained_run_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate a run's trained model on a split")
-    p.add_argument("path", help="run directory (or one of its checkpoint directories)")
+    add_trained_run_arguments(p)
     p.add_argument("--split", default="test", choices=("test", "train"))
-    p.add_argument("--step", type=int, default=None, help="committed step (default: newest)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="changes to the run's config (e.g. a moved data.path)")
+    add_overrides_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from spmd.inference.evaluation import evaluate_split
-    from spmd.inference.loading import load_for_job
-    from spmd.launch import shutdown
+    from spmd.inference.loading import trained_job
 
-    trained, env = load_for_job(args.path, args.step, args.overrides)
-    try:
+    with trained_job(args.path, args.step, args.overrides) as (trained, env):
         metrics = evaluate_split(trained, args.split)
-    finally:
-        if env.size > 1:
-            shutdown()
     if env.rank == 0:
         if args.json:
             print(json.dumps({"step": trained.step, "split": args.split,

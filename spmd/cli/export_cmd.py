@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import argparse
 
+from spmd.cli.trained_args import add_overrides_argument, add_trained_run_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="export a run's model as StableHLO plus its parameters")
-    p.add_argument("path", help="run directory (or one of its checkpoint directories)")
+    add_trained_run_arguments(p)
     p.add_argument("out", help="new directory for predict.jax, params/ and export.json")
-    p.add_argument("--step", type=int, default=None, help="committed step (default: newest)")
     p.add_argument("--platform", action="append", default=None, dest="platforms",
                    help="lower for this platform (cpu, cuda, rocm; repeatable; default: this "
                         "machine's)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="changes to the run's config (e.g. a moved data.path)")
+    add_overrides_argument(p)
     p.set_defaults(func=run)
 
 

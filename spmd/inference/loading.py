@@ -11,6 +11,8 @@ the task's `nnx.Module`, switched to eval mode.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from spmd.config.schema import Config
 from spmd.engine.mesh import build_mesh
 from spmd.engine.state import ModelLayout, model_layout
 from spmd.errors import SpmdError
-from spmd.launch import LaunchEnv, bootstrap
+from spmd.launch import LaunchEnv, bootstrap, shutdown
 from spmd.sharding import MESH_AXES, RuleTable, rules_for, state_shardings
 from spmd.tasks import Task
 
@@ -151,15 +153,20 @@ def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
                    layout=layout)
 
 
-def load_for_job(path: str | Path, step: int | None = None,
-                 overrides: list[str] | None = None) -> tuple[Trained, LaunchEnv]:
+@contextmanager
+def trained_job(path: str | Path, step: int | None = None,
+                overrides: list[str] | None = None) -> Iterator[tuple[Trained, LaunchEnv]]:
     """`load` onto the run's mesh over every device of this job, one call per rank.
 
     Bootstraps the rank as training does (srun, mpiexec, `spmd run --entry ...`, or one
-    process), so `spmd eval` and `spmd predict` shard like the run; the caller ends a
-    multi-process job with `spmd.launch.shutdown()`.
+    process), so `spmd eval` and `spmd predict` shard like the run, and shuts a
+    multi-process job down when the block ends.
     """
     cfg = run_config(locate(path), overrides)
     env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                     heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
-    return load(path, step, mesh=run_mesh(cfg, env.node_of_rank), overrides=overrides), env
+    try:
+        yield load(path, step, mesh=run_mesh(cfg, env.node_of_rank), overrides=overrides), env
+    finally:
+        if env.size > 1:
+            shutdown()

@@ -1,4 +1,4 @@
-"""Training a built runtime in the test process, step by step."""
+"""Training in the test process: a built runtime step by step, and a tiny MLP run's config."""
 
 from __future__ import annotations
 
@@ -12,3 +12,14 @@ def train_steps(rt, steps: int) -> tuple[list[float], dict]:
         state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))
         losses.append(float(metrics["loss"]))
     return losses, state
+
+
+def mlp_config(run_dir, *, steps: int = 6, **sections: dict) -> dict:
+    """Config of a tiny MLP run in `run_dir` (no plots, no progress bar), batch 8; each
+    keyword (train=, checkpoint=, mesh=, ...) is merged into that section."""
+    config = {"run": {"dir": str(run_dir), "plots": False, "progress": False},
+              "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4, "num_layers": 1},
+              "train": {"steps": steps, "batch_size": 8}}
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config

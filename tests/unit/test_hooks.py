@@ -7,8 +7,6 @@ by what it returns, and the trainer alone turns a stop into the exit status and 
 from __future__ import annotations
 
 import dataclasses
-import signal
-from pathlib import Path
 
 import pytest
 
@@ -18,22 +16,10 @@ from spmd.loop.builtin_hooks import PreemptionHook
 from spmd.loop.hooks import Hook, StepInfo, Stop
 from spmd.loop.trainer import Stopped, Trainer
 from tests.helpers.records import read_jsonl
+from tests.helpers.training import mlp_config
 
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """A run in this process installs its preemption signal handlers; put pytest's back."""
-    watched = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    saved = {s: signal.getsignal(s) for s in watched}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-
-
-def mlp_config(run_dir: Path, steps: int = 6) -> dict:
-    return {"run": {"dir": str(run_dir), "plots": False, "progress": False},
-            "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4, "num_layers": 1},
-            "train": {"steps": steps, "batch_size": 8}}
 
 
 

@@ -5,7 +5,6 @@ run with no checkpoint schedule loadable; bad paths, steps and bytes are named."
 from __future__ import annotations
 
 import shutil
-import signal
 from pathlib import Path
 
 import jax
@@ -18,26 +17,16 @@ from spmd.errors import SpmdError
 from spmd.inference import run_mesh
 from spmd.loop.hooks import StepInfo
 from tests.helpers.records import read_jsonl
+from tests.helpers.training import mlp_config
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_5924438"
 
 
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """A run in this process installs its preemption signal handlers; put pytest's back."""
-    watched = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    saved = {s: signal.getsignal(s) for s in watched}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
 
-def mlp_config(run_dir: Path, **checkpoint) -> dict:
-    return {"run": {"dir": str(run_dir), "plots": False, "progress": False},
-            "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4, "num_layers": 1},
-            "mesh": {"strategy": "fsdp"},
-            "train": {"steps": 4, "batch_size": 8},
-            "checkpoint": checkpoint}
+def fsdp_config(run_dir: Path, **checkpoint) -> dict:
+    return mlp_config(run_dir, steps=4, mesh={"strategy": "fsdp"}, checkpoint=checkpoint)
 
 
 def train_and_keep_final_params(config: dict) -> dict:
@@ -63,7 +52,7 @@ def same_bytes(a, b) -> bool:
 
 
 def test_a_run_without_a_checkpoint_schedule_is_loadable_bit_identically(run_dir):
-    final = train_and_keep_final_params(mlp_config(run_dir))   # checkpoint: {} (defaults)
+    final = train_and_keep_final_params(fsdp_config(run_dir))   # checkpoint: {} (defaults)
     saved = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "saved"]
     assert [(e["tier"], e["step"]) for e in saved] == [("persistent", 4)]
     assert sorted(p.name for p in (run_dir / "checkpoints" / "4").iterdir()
@@ -77,14 +66,14 @@ def test_a_run_without_a_checkpoint_schedule_is_loadable_bit_identically(run_dir
 
 
 def test_checkpoint_final_false_leaves_nothing_and_load_says_so(run_dir):
-    train_and_keep_final_params(mlp_config(run_dir, final=False))
+    train_and_keep_final_params(fsdp_config(run_dir, final=False))
     assert not (run_dir / "checkpoints").exists()
     with pytest.raises(CheckpointError, match="no committed checkpoint.*checkpoint.final"):
         spmd.load(run_dir)
 
 
 def test_both_tiers_and_each_step_load_the_same_bytes(run_dir):
-    final = train_and_keep_final_params(mlp_config(run_dir, every=2, keep=2))
+    final = train_and_keep_final_params(fsdp_config(run_dir, every=2, keep=2))
     newest = spmd.load(run_dir)                       # step 4 is in both tiers
     local = spmd.load(run_dir / "local" / "4")        # the node-local blob, assembled
     persistent = spmd.load(run_dir / "checkpoints")   # a tier directory: its newest step
@@ -99,7 +88,7 @@ def test_both_tiers_and_each_step_load_the_same_bytes(run_dir):
 
 
 def test_onto_a_mesh_the_parameters_are_sharded_by_the_runs_rules(run_dir):
-    final = train_and_keep_final_params(mlp_config(run_dir))
+    final = train_and_keep_final_params(fsdp_config(run_dir))
     mesh = run_mesh(spmd.load_config(run_dir / "config.yaml"))
     trained = spmd.load(run_dir, mesh=mesh)
     assert mesh.shape["fsdp"] == 8
@@ -123,7 +112,7 @@ def test_a_checkpoint_written_before_the_split_items_still_loads(tmp_path):
 
 
 def test_a_flipped_byte_in_the_parameters_is_named(run_dir):
-    train_and_keep_final_params(mlp_config(run_dir))
+    train_and_keep_final_params(fsdp_config(run_dir))
     victim = max((run_dir / "checkpoints" / "4" / "params").rglob("d/*"),
                  key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())

@@ -5,8 +5,6 @@ stops after `train.max_skips` bad steps in a row."""
 
 from __future__ import annotations
 
-import signal
-
 import jax
 import numpy as np
 import pytest
@@ -23,16 +21,9 @@ from spmd.errors import ExitCode
 from spmd.loop.hooks import StepInfo
 from spmd.tasks.regression import RegressionTask
 from tests.helpers.records import read_jsonl
+from tests.helpers.training import mlp_config
 
-
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """A run in this process installs its preemption signal handlers; put pytest's back."""
-    watched = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    saved = {s: signal.getsignal(s) for s in watched}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
 
 BAD_STEP = 3  # the batch of update 3 (data step 2) holds a NaN
@@ -60,10 +51,8 @@ class BadBatchTask(RegressionTask):
 
 def config(run_dir, **train) -> dict:
     return {"task": "tests.unit.test_nonfinite:BadBatchTask",
-            "run": {"dir": str(run_dir), "plots": False, "progress": False},
-            "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4, "num_layers": 1},
-            "train": {"steps": 6, "batch_size": 8, **train},
-            "checkpoint": {"every": 1, "persistent_every": 1, "keep": 10}}
+            **mlp_config(run_dir, train=train,
+                         checkpoint={"every": 1, "persistent_every": 1, "keep": 10})}
 
 
 def params_by_step(run_dir, cfg) -> tuple[int, dict[int, list[np.ndarray]]]:

@@ -5,7 +5,6 @@ rather than deleted; the persistent tier holds exactly `checkpoint.keep` steps."
 
 from __future__ import annotations
 
-import signal
 import subprocess
 
 import pytest
@@ -16,19 +15,13 @@ from spmd.config.load import with_overrides
 from spmd.errors import ConfigError
 from tests.helpers.env import REPO, clean_env, require, run_spmd
 from tests.helpers.records import read_jsonl
+from tests.helpers.training import mlp_config
 
 MLP = str(REPO / "configs" / "mlp_tiny.yaml")
 QUIET = ("run.progress=false", "run.plots=false", "train.steps=4")
 
 
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """A run in this process installs its preemption signal handlers; put pytest's back."""
-    watched = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    saved = {s: signal.getsignal(s) for s in watched}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -66,9 +59,7 @@ def test_an_unwritable_run_dir_is_named_in_one_line(tmp_path):
 
 
 def test_a_rejected_run_leaves_the_runs_config_as_it_was(run_dir):
-    base = {"run": {"dir": str(run_dir), "plots": False, "progress": False},
-            "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4, "num_layers": 1},
-            "train": {"steps": 2, "batch_size": 8}}
+    base = mlp_config(run_dir, steps=2)
     assert spmd.train(base) == 0
     before = (run_dir / "config.yaml").read_bytes()
     with pytest.raises(ConfigError, match="mesh.axes"):
@@ -77,11 +68,7 @@ def test_a_rejected_run_leaves_the_runs_config_as_it_was(run_dir):
 
 
 def test_a_truncated_manifest_keeps_its_step_and_names_it(run_dir):
-    config = {"run": {"dir": str(run_dir), "plots": False, "progress": False},
-              "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4,
-                        "num_layers": 1},
-              "train": {"steps": 4, "batch_size": 8},
-              "checkpoint": {"persistent_every": 2, "keep": 3}}
+    config = mlp_config(run_dir, steps=4, checkpoint={"persistent_every": 2, "keep": 3})
     assert spmd.train(config) == 0
     manifest = run_dir / "checkpoints" / "4" / "spmd_manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:40])        # a torn write
@@ -98,11 +85,7 @@ def test_a_truncated_manifest_keeps_its_step_and_names_it(run_dir):
 
 
 def test_the_persistent_tier_keeps_exactly_keep_steps(run_dir):
-    config = {"run": {"dir": str(run_dir), "plots": False, "progress": False},
-              "model": {"name": "mlp", "d_in": 8, "d_hidden": 16, "d_out": 4,
-                        "num_layers": 1},
-              "train": {"steps": 5, "batch_size": 8},
-              "checkpoint": {"persistent_every": 1, "keep": 2}}
+    config = mlp_config(run_dir, steps=5, checkpoint={"persistent_every": 1, "keep": 2})
     assert spmd.train(config) == 0
     assert [s.step for s in scan_persistent(run_dir / "checkpoints")] == [4, 5]
     saved = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "saved"]
