@@ -265,23 +265,32 @@ class PersistentTier:
             vote = {"ok": False, "error": f"rank {self.rank}: persistent save of step {step} to "
                                           f"{where} failed: {type(e).__name__}: {e}"}
         decision = self.coord.agree(f"finish the persistent save of step {step}", vote,
-                                    lambda votes: _write_manifest(where, step, votes, self.size))
+                                    lambda votes: self._commit(where, step, votes))
         if decision["ok"]:
-            decision["dropped"] = self.prune()
+            self.drop(decision["drop"])
+            decision["dropped"] = decision.pop("drop")
             decision["seconds"] = time.perf_counter() - t0
             decision["orbax_s"] = orbax_s  # this rank's wait for Orbax; the rest: our manifest
         return decision
 
-    def prune(self) -> list[int]:
-        """Delete committed steps beyond the newest `keep` (every rank, after a commit).
+    def _commit(self, where: Path, step: int, votes: list[dict]) -> dict:
+        """Rank 0, inside the agreement: the manifest, then which committed steps retention
+        drops (beyond the newest `keep`). Decided once and broadcast, because Orbax's delete
+        is collective: ranks that listed the directory themselves, while rank 0 was already
+        deleting, disagreed on the list and waited in different barriers for ever."""
+        decision = _write_manifest(where, step, votes, self.size)
+        if decision["ok"]:
+            decision["drop"] = self.committed_steps(reload=True)[:-self.keep]
+        return decision
+
+    def drop(self, steps: list[int]) -> None:
+        """Delete `steps`, which rank 0 chose for every rank (collective, like `delete`).
 
         Orbax applies the preservation policy while the new step has no manifest yet, so it
         keeps that step besides the `keep` committed ones; this brings the tier back to `keep`.
         """
-        old = self.committed_steps(reload=True)[:-self.keep]
-        for step in old:
+        for step in steps:
             self.delete(step)
-        return old
 
     def verify(self, step: int) -> list[str]:
         """This rank's share of the manifest check of `step` (all ranks together check all)."""

@@ -16,6 +16,11 @@ rank of each save):
     SPMD_CKPT_TEST_FAIL_HOST_COPY=STEP:RANK  RANK's host copy of the snapshot of STEP raises,
                                            as a failed device-to-host copy would (wraps
                                            `spmd.checkpoint.snapshot.Snapshot.pieces`)
+    SPMD_CKPT_TEST_SLOW_LISTING=RANK:SECONDS  RANK sleeps SECONDS before each rescan of the
+                                           persistent tier's directory, as on a slow
+                                           parallel file system (wraps
+                                           `spmd.checkpoint.persistent.PersistentTier.orbax_steps`
+                                           with reload=True)
 
 How they are switched on: `fault_env(stall="9:120")` returns the environment entries to add
 to a child's environment: the variable, and `tests/helpers/inject/` in front of PYTHONPATH.
@@ -45,19 +50,25 @@ from typing import Any
 
 STALL = "SPMD_CKPT_TEST_STALL"
 FAIL_HOST_COPY = "SPMD_CKPT_TEST_FAIL_HOST_COPY"
+SLOW_LISTING = "SPMD_CKPT_TEST_SLOW_LISTING"
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
 
 log = logging.getLogger("spmd.checkpoint")
 
 
 def fault_env(*, stall: str | None = None, fail_host_copy: str | None = None,
+              slow_listing: str | None = None,
               environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment entries that switch the named faults on in a child process and its ranks.
 
-    `stall="STEP:SECONDS"`, `fail_host_copy="STEP:RANK"`. PYTHONPATH is this process's
-    (`environ`, default os.environ) with the injecting folder in front.
+    `stall="STEP:SECONDS"`, `fail_host_copy="STEP:RANK"`, `slow_listing="RANK:SECONDS"`.
+    PYTHONPATH is this process's (`environ`, default os.environ) with the injecting folder in
+    front.
     """
     env = {}
+    if slow_listing is not None:
+        _slow_spec(slow_listing)
+        env[SLOW_LISTING] = slow_listing
     if stall is not None:
         _stall_spec(stall)
         env[STALL] = stall
@@ -82,6 +93,13 @@ def _fail_spec(spec: str) -> tuple[int, int]:
     if not sep:
         raise ValueError(f"{FAIL_HOST_COPY}={spec!r} is not STEP:RANK")
     return int(step), int(rank)
+
+
+def _slow_spec(spec: str) -> tuple[int, float]:
+    rank, sep, seconds = spec.partition(":")
+    if not sep:
+        raise ValueError(f"{SLOW_LISTING}={spec!r} is not RANK:SECONDS")
+    return int(rank), float(seconds)
 
 
 # ------------------------------------------------------------------ the faults
@@ -115,6 +133,20 @@ def _patch_fail_host_copy(module: ModuleType, at: int, rank: int) -> None:
 
     pieces.fault = FAIL_HOST_COPY  # type: ignore[attr-defined]
     module.Snapshot.pieces = pieces
+
+
+def _patch_slow_listing(module: ModuleType, rank: int, seconds: float) -> None:
+    """PersistentTier.orbax_steps(reload=True) sleeps first on rank `rank`."""
+    original = module.PersistentTier.orbax_steps
+
+    @functools.wraps(original)
+    def orbax_steps(self: Any, reload: bool = False) -> Any:
+        if reload and self.rank == rank:
+            time.sleep(seconds)
+        return original(self, reload)
+
+    orbax_steps.fault = SLOW_LISTING  # type: ignore[attr-defined]
+    module.PersistentTier.orbax_steps = orbax_steps
 
 
 # ------------------------------------------------------------------ installing
@@ -160,7 +192,11 @@ def install(environ: Mapping[str, str] | None = None) -> list[str]:
         at_step, rank = _fail_spec(environ[FAIL_HOST_COPY])
         patches.setdefault("spmd.checkpoint.snapshot", []).append(
             lambda m: _patch_fail_host_copy(m, at_step, rank))
-    names = [n for n in (STALL, FAIL_HOST_COPY) if environ.get(n)]
+    if environ.get(SLOW_LISTING):
+        slow_rank, seconds = _slow_spec(environ[SLOW_LISTING])
+        patches.setdefault("spmd.checkpoint.persistent", []).append(
+            lambda m: _patch_slow_listing(m, slow_rank, seconds))
+    names = [n for n in (STALL, FAIL_HOST_COPY, SLOW_LISTING) if environ.get(n)]
     for name in [n for n in patches if n in sys.modules]:
         for patch in patches.pop(name):
             patch(sys.modules[name])

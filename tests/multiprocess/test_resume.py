@@ -142,3 +142,18 @@ def test_preempted_run_saves_off_schedule_and_resumes_bit_identical(reference, t
     assert {(e["step"], e["source"]) for e in events(run_dir, "restored")} == {(1, "local")}
     assert final_blobs(run_dir, 12) == final_blobs(reference, 12)
     assert last_loss(run_dir) == last_loss(reference)
+
+
+def test_retention_deletes_the_same_steps_on_every_rank_however_slow_its_listing(tmp_path):
+    """Rank 1 rescans the persistent tier a second late (fault injection), as on a busy
+    parallel file system. Retention's list of steps to delete is rank 0's, so rank 1 cannot
+    see rank 0's deletion half done, leave a step out, and wait in another Orbax barrier than
+    rank 0 for ever (seen in CI: a run hung at its last save)."""
+    run_dir = tmp_path / "run"
+    proc = train(2, run_dir, "train.steps=5", "checkpoint.every=0",
+                 "checkpoint.persistent_every=1", "checkpoint.keep=1", devices=2, timeout=120,
+                 **fault_env(slow_listing="1:1"))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["5"]
+    saved = [e for e in events(run_dir, "saved") if e["tier"] == "persistent"]
+    assert [e["dropped"] for e in saved if e["rank"] == 0] == [[], [1], [2], [3], [4]]
