@@ -3,6 +3,7 @@
     python benchmarks/step_overhead.py            # full run: table, JSON line, PASS/FAIL
     python benchmarks/step_overhead.py --short    # CI smoke test: seconds, never fails on timing
     python benchmarks/step_overhead.py --cases tensorboard   # the TensorBoard tracker's cost
+    python benchmarks/step_overhead.py --cases stragglers    # straggler gather + finite checks
 
 Two cases: a dispatch-bound tiny transformer (reported as microseconds added per
 step) and a compute-bound one (>= 20 ms per step here; target: median ratio <= 1.03).
@@ -11,13 +12,30 @@ in/out shardings built by hand and `donate_argnums`. Both steps start from the s
 parameter values (the baseline's first loss must equal spmd's), are fed the same
 device-resident batch, and are timed in interleaved repetitions (AB, BA, ...) of K
 steps each, blocking on the results at the end of every repetition.
+
+`--cases stragglers` (run_stragglers_case): the training loop's step, its metrics hook
+logging every step (run.log_every=1: a straggler check at every step, the worst case), with
+(on) the straggler monitor (spmd.loop.stragglers: `arrive`, its gather, `depart`) and the
+non-finite checks (the `isfinite` of loss and gradient norm inside the jitted step, and
+`NonfiniteHook`) against (off) neither. There is no switch that turns the finite checks off
+(`train.nonfinite` is `stop` or `skip`), so "off" is the same jitted step function with its
+`nonfinite` output dropped (XLA removes the checks' `is-finite` ops: the benchmark checks
+that the compiled HLO of "off" has fewer) and no NonfiniteHook. One process has no peer to
+gather from, so the monitor's group gathers over a one-rank MPI communicator (MPI_COMM_SELF)
+through the same non-blocking, polled allgather that a job's ranks use
+(spmd.launch.mpi.allgather_str); over many ranks an allgather of 512 B per rank every
+run.log_every steps adds the network's latency on top, once per check. The monitor's own
+cost per step is also timed alone (`monitor_us_per_step`: arrive + gather + depart, 2,000
+steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,6 +70,12 @@ SHORT_CASES = ("dispatch-1dev", "compute")
 # every step (run.log_every=1, the worst case), compute-bound model; target <= 1.01.
 TRACKER_CASE = ("tensorboard", COMPUTE, 0, 5, 60)
 TRACKER_TARGET = 1.01
+# The straggler monitor + the non-finite checks against both off, every step logged and
+# checked; compute-bound model (full), the tiny one on 1 device (--short); target <= 1.01.
+# (name, model overrides, devices (0 = --devices), steps per rep, reps full, reps short)
+STRAGGLER_CASE = ("stragglers", COMPUTE, 0, 5, 60, 3)
+STRAGGLER_SHORT = (TINY, 1, 5)   # --short: model, devices, steps per rep
+STRAGGLER_TARGET = 1.01
 
 
 # ------------------------------------------------------------------ plain-JAX baseline
@@ -324,6 +348,143 @@ def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: i
     }
 
 
+class _SelfGroup:
+    """A one-rank group that still runs MPI's polled allgather (MPI_COMM_SELF)."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_SELF
+
+    def allgather_str(self, text: str, what: str) -> list[str]:
+        from spmd.launch import mpi
+
+        return mpi.allgather_str(self.comm, text, 60.0, "benchmark rank 0", what)
+
+
+def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
+                        reps: int) -> dict:
+    """The loop's step + metrics hook, with (on) the straggler monitor and the non-finite
+    checks or (off) neither, in interleaved repetitions (module docstring)."""
+    import dataclasses
+    import socket
+    import tempfile
+
+    import jax
+
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
+    from spmd.engine.state import replicated
+    from spmd.loop.builtin_hooks import MetricsHook, NonfiniteHook, StepClock
+    from spmd.loop.hooks import StepInfo
+    from spmd.loop.stragglers import StragglerMonitor
+    from spmd.rundir.metrics import EventLog
+
+    cfg = load_config(CONFIG, ["run.progress=false", "run.log_every=1", *overrides])
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    batch = rt.feed.global_batch(rt.task.train_source(), 0)
+    inner = rt.train_step.__wrapped__          # spmd's step function, before jax.jit
+
+    def without_finite_checks(state, batch):
+        state, metrics = inner(state, batch)
+        return state, {k: v for k, v in metrics.items() if k != "nonfinite"}
+
+    steps_of = {
+        "on": rt.train_step,
+        "off": jax.jit(without_finite_checks,
+                       in_shardings=(rt.state.shardings, dict(rt.feed.shardings)),
+                       out_shardings=(rt.state.shardings, replicated(rt.mesh)),
+                       donate_argnums=(0,) if cfg.train.donate else ()),
+    }
+    is_finite_ops = {k: f.lower(rt.state.abstract, rt.abstract_batch()).compile().as_text()
+                     .count("is-finite(") for k, f in steps_of.items()}
+    # The model's own ops may use is-finite (the logsumexp of the loss does); the checks add
+    # theirs (loss and gradient norm) on top.
+    if not is_finite_ops["on"] > is_finite_ops["off"]:
+        raise AssertionError(f"is-finite ops on/off: {is_finite_ops}; the checks add none")
+    try:
+        group, channel = _SelfGroup(), "mpi (MPI_COMM_SELF)"
+    except ImportError:
+        group, channel = None, "none (mpi4py missing)"
+    root = Path(tempfile.mkdtemp(prefix="spmd-straggler-bench-"))
+    box, runners, closers = {}, {}, []
+    for key in ("off", "on"):
+        run_dir = root / key
+        run_dir.mkdir()
+        run = cfg.run.model_copy(update={"dir": run_dir, "trackers": []})
+        rt_key = dataclasses.replace(rt, cfg=cfg.model_copy(update={"run": run}))
+        events = EventLog(run_dir / "events.jsonl", 0)
+        metrics = MetricsHook(rt_key, run_dir, events, True, StepClock(0))
+        metrics.start(StepInfo(step=0, state=None, metrics={}))
+        closers.append(metrics.close)
+        hooks = [metrics]
+        if key == "on":
+            monitor = StragglerMonitor(group, 0, socket.gethostname(), 1,
+                                       cfg.launch.straggler_factor, events, True)
+            nonfinite = NonfiniteHook(cfg.train, (1,), events)
+            nonfinite.start(StepInfo(step=0, state=None, metrics={}))
+            record = metrics.record
+
+            def record_with_fields(r: dict, record=record, monitor=monitor) -> None:
+                record({**r, **monitor.fields(r["step"])})
+
+            metrics.record = record_with_fields
+            # the loop's order: arrive first, (the preemption vote), depart, nonfinite, metrics
+            hooks = [monitor.arrive, monitor.depart, nonfinite, metrics]
+        box[key] = (rt.init(), 0)
+
+        def runner(key: str = key, hooks: list = hooks) -> None:
+            state, step = box[key]
+            fn = steps_of[key]
+            for _ in range(steps):
+                state, metrics = fn(state, batch)
+                step += 1
+                info = StepInfo(step=step, state=state, metrics=metrics)
+                for hook in hooks:
+                    if hook(info) is not None:
+                        raise AssertionError(f"hook {hook} stopped the benchmark at {step}")
+            jax.block_until_ready(state)
+            box[key] = (state, step)
+
+        runners[key] = runner
+    times = interleaved(runners, reps=reps, warmup=1)
+    for close in closers:
+        close()
+    logged = [json.loads(line) for line in (root / "on" / "metrics.jsonl").read_text()
+              .splitlines()]
+    if not any("slowest_rank" in r for r in logged):
+        raise AssertionError("the monitor's fields never reached metrics.jsonl")
+
+    # The monitor alone: arrive + gather + depart per step, no training step in between.
+    alone = StragglerMonitor(group, 0, socket.gethostname(), 1, cfg.launch.straggler_factor,
+                             None, True)
+    n = 2000
+    began = time.perf_counter()
+    for step in range(1, n + 1):
+        info = StepInfo(step=step, state=None, metrics={})
+        alone.arrive(info)
+        alone.depart(info)
+    monitor_us = (time.perf_counter() - began) / n * 1e6
+
+    per_step = {k: [x / steps for x in v] for k, v in times.items()}
+    ratio_values = paired_ratios(per_step["on"], per_step["off"])
+    m = cfg.model
+    return {
+        "case": "stragglers", "devices": rt.mesh.size, "steps_per_rep": steps, "reps": reps,
+        "model": f"L={m.num_layers} d={m.d_model} ff={m.d_ff} T={m.seq_len} V={m.vocab_size} "
+                 f"B={cfg.train.batch_size}",
+        "gather_channel": channel, "is_finite_ops": is_finite_ops,
+        "off_ms": Stats.of(per_step["off"]).scaled(1e3).as_dict(4),
+        "on_ms": Stats.of(per_step["on"]).scaled(1e3).as_dict(4),
+        "paired_ratio": Stats.of(ratio_values).as_dict(4),
+        "paired_ratio_ci95": [round(x, 4) for x in median_ci(ratio_values)],
+        "added_us": Stats.of(paired_differences(per_step["on"], per_step["off"]))
+        .scaled(1e6).as_dict(1),
+        "monitor_us_per_step": round(monitor_us, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true",
@@ -332,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per case")
     parser.add_argument("--cases", default=None,
-                        help=f"comma-separated subset of {', '.join(CASES)}, tensorboard "
-                             f"(default: all; --short: {', '.join(SHORT_CASES)})")
+                        help=f"comma-separated subset of {', '.join(CASES)}, tensorboard, "
+                             f"stragglers (default: all; --short: {', '.join(SHORT_CASES)})")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -341,9 +502,17 @@ def main(argv: list[str] | None = None) -> int:
     mode = "short" if args.short else "full"
     results = []
     names = args.cases.split(",") if args.cases else list(
-        SHORT_CASES if args.short else (*CASES, TRACKER_CASE[0]))
-    tracker = None
+        SHORT_CASES if args.short else (*CASES, TRACKER_CASE[0], STRAGGLER_CASE[0]))
+    tracker = stragglers = None
     for name in names:
+        if name == STRAGGLER_CASE[0]:
+            _, overrides, devices, steps, reps_full, reps_short = STRAGGLER_CASE
+            if args.short:
+                overrides, devices, steps = STRAGGLER_SHORT
+            stragglers = run_stragglers_case(
+                overrides, devices or args.devices, steps,
+                args.reps or (reps_short if args.short else reps_full))
+            continue
         if name == TRACKER_CASE[0]:
             _, overrides, devices, steps, reps_full = TRACKER_CASE
             tracker = run_tracker_case(overrides, devices or args.devices, steps,
@@ -384,6 +553,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['added_us']['median']:+.1f} us/step: {tracker['verdict']} vs target <= "
               f"{TRACKER_TARGET}")
         results.append(tracker)
+    if stragglers is not None:
+        t, q = stragglers, stragglers["paired_ratio"]
+        lo, hi = stragglers["paired_ratio_ci95"]
+        t["verdict"] = None if args.short else (
+            "PASS" if q["median"] <= STRAGGLER_TARGET else "FAIL")
+        print(f"straggler monitor + finite checks ({t['model']}, {t['devices']} devices, "
+              f"checked every step, gather over {t['gather_channel']}): off "
+              f"{t['off_ms']['median']:.3f} ms/step, on {t['on_ms']['median']:.3f} ms/step; "
+              f"paired ratio {q['median']:.4f} [IQR {q['q1']:.4f}-{q['q3']:.4f}] (95% CI "
+              f"{lo:.4f}-{hi:.4f}), added {t['added_us']['median']:+.1f} us/step; the monitor "
+              f"alone {t['monitor_us_per_step']:.1f} us/step: "
+              f"{t['verdict'] or 'short mode, no target checked'} vs target <= "
+              f"{STRAGGLER_TARGET}")
+        results.append(stragglers)
     verdict = None
     compute = next((r for r in results if r["case"] == "compute"), None)
     if compute is not None:

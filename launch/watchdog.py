@@ -114,6 +114,7 @@ def _end(line: str) -> None:
     os._exit(ExitCode.ORPHANED)
 
 
+_peers: dict[int, tuple[int, int | None]] = {}  # rank -> (pid, start) of this host's peers
 _pidfds: dict[int, int] = {}   # pid -> pidfd (Linux >= 5.3): readable the moment it exits
 
 
@@ -176,11 +177,23 @@ def watch_peers(peers: Mapping[int, tuple[int, int | None]], rank: int, host: st
     """
     marks = Path(tempfile.gettempdir()) / f"spmd-exits-{job_key}"
     marks.mkdir(parents=True, exist_ok=True)
-    atexit.register(_mark_exit, marks, rank, len(peers) + 1)
+    _exit_mark[:] = [(marks, rank, len(peers) + 1)]
+    atexit.register(leave_exit_mark)
+    _peers.update(peers)
     for peer, (pid, start) in peers.items():
         _watch(f"rank{peer}", pid, start,
                f"{who}: lost rank {peer} (pid {pid} on {host}): it ended without exiting "
                "cleanly (killed?)", interval_s, marks / f"rank{peer}")
+
+
+_exit_mark: list[tuple[Path, int, int]] = []  # (marker dir, this rank, ranks on this host)
+
+
+def leave_exit_mark() -> None:
+    """Mark this rank as ended on its own (its peers do not report it lost); run at exit,
+    and by a rank that ends with os._exit on purpose (a reported failure or hang)."""
+    if _exit_mark:
+        _mark_exit(*_exit_mark.pop())
 
 
 def _mark_exit(marks: Path, rank: int, count: int) -> None:
@@ -196,3 +209,10 @@ def disarm_peers() -> None:
     """Stop watching peers (before the shutdown barrier, after which they exit cleanly)."""
     for key in [k for k in _watched if k.startswith("rank")]:
         del _watched[key]
+
+
+
+def local_peers() -> dict[int, tuple[int, int | None]]:
+    """{rank: (pid, start time)} of the other ranks on this host, as learned at bootstrap
+    (whether or not they are still watched)."""
+    return dict(_peers)

@@ -20,6 +20,8 @@ class ExitCode(IntEnum):
     ORPHANED = 69       # EX_UNAVAILABLE: the launcher or a peer rank of this rank is gone
     LEASE_LOST = 73     # EX_CANTCREAT: another run took over this run directory's lease
     PREEMPTED = 75      # EX_TEMPFAIL: stopped for preemption after a save; requeue and resume
+    HUNG = 76           # no training step completed within launch.step_timeout_s; the
+    #                     ranks that did not reach the step are named; requeue and resume
     INTERRUPTED = 130   # 128 + SIGINT: Ctrl-C at the console
 
 

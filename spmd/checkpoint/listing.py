@@ -1,4 +1,10 @@
-"""Read-only views of both tiers for `spmd ckpt ls` and `spmd ckpt verify` (no JAX needed)."""
+"""Read-only views of both tiers for `spmd ckpt ls` and `spmd ckpt verify`.
+
+Listing and checksums need no JAX. `verify_local(..., nonfinite=[])` also counts NaN/Inf in
+the parameters of the blobs it reads anyway (numpy); `nonfinite_persistent_steps` reads a
+persistent step's parameters through Orbax only when its manifest does not already vouch for
+them (`params_finite: true`, and its checksums pass).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from spmd.checkpoint.files import ChecksumError, crc32, hex32, read_json, tree_size
+from spmd.checkpoint.finite import describe_nonfinite, nonfinite_in_blob
 from spmd.checkpoint.local import DATA, INDEX, MARKER
 from spmd.checkpoint.persistent import MANIFEST, read_manifest, verify_files
 
@@ -86,10 +93,16 @@ def scan_persistent(root: Path) -> list[PersistentStep]:
     return sorted(out, key=lambda s: (s.step, s.state))
 
 
-def verify_local(root: Path) -> tuple[list[str], int]:
-    """(problems naming files, number of files checked) for every committed rank copy."""
+def verify_local(root: Path, nonfinite: list[dict] | None = None) -> tuple[list[str], int]:
+    """(problems naming files, number of files checked) for every committed rank copy.
+
+    `nonfinite`: a list to extend with one record per step and parameter holding NaN/Inf
+    (`describe_nonfinite`: step, where, param, nonfinite count, size), counted over the
+    blobs checked (each piece once, own copy or partner's).
+    """
     problems, checked = [], 0
     for step in scan_local(root):
+        counts: dict[tuple[str, str], tuple[int, int]] = {}
         for c in step.ranks:
             if c.state != "committed":
                 continue
@@ -104,11 +117,20 @@ def verify_local(root: Path) -> tuple[list[str], int]:
             for index_name, data_name in pairs:
                 checked += 2
                 problems += _verify_blob(d / index_name, d / data_name,
-                                         marker.get("files", {}).get(index_name))
+                                         marker.get("files", {}).get(index_name),
+                                         counts if nonfinite is not None else None)
+        if nonfinite is not None:
+            per_param: dict[str, tuple[int, int]] = {}
+            for (param, _), (n, size) in counts.items():
+                have = per_param.get(param, (0, 0))
+                per_param[param] = (have[0] + n, have[1] + size)
+            nonfinite += [{"tier": "local", **r} for r in
+                          describe_nonfinite(root / str(step.step), step.step, per_param)]
     return problems, checked
 
 
-def _verify_blob(index_path: Path, data_path: Path, index_crc: str | None) -> list[str]:
+def _verify_blob(index_path: Path, data_path: Path, index_crc: str | None,
+                 counts: dict | None = None) -> list[str]:
     try:
         index = read_json(index_path, index_crc)
     except FileNotFoundError:
@@ -124,6 +146,9 @@ def _verify_blob(index_path: Path, data_path: Path, index_crc: str | None) -> li
     view = memoryview(blob)
     bad = [p for p in index["pieces"]
            if hex32(crc32(view[p["offset"]:p["offset"] + p["nbytes"]])) != p["crc32"]]
+    if counts is not None and not bad:
+        for key, value in nonfinite_in_blob(view, index["pieces"]).items():
+            counts.setdefault(key, value)
     return [f"{data_path}: {len(bad)} of {len(index['pieces'])} pieces fail their crc32 "
             f"(first: {bad[0]['path']} at offset {bad[0]['offset']})"] if bad else []
 
@@ -141,6 +166,40 @@ def verify_persistent(root: Path) -> tuple[list[str], int]:
         checked += len(manifest["files"])
         problems += verify_files(d, manifest, 0, 1)
     return problems, checked
+
+
+def nonfinite_persistent_steps(root: Path) -> tuple[list[dict], list[str]]:
+    """(one record per committed step and parameter holding NaN/Inf, problems reading them).
+
+    A step whose manifest says `params_finite: true` is not read (its checksums vouch for
+    the bytes that were found finite when it was saved); any other is read onto the host.
+    """
+    from spmd.checkpoint.persistent import nonfinite_persistent
+
+    records, problems = [], []
+    for step in scan_persistent(root):
+        if step.state != "committed":
+            continue
+        d = root / str(step.step)
+        manifest = read_manifest(d)
+        if manifest is not None and manifest.get("params_finite") is True:
+            continue
+        try:
+            counts = nonfinite_persistent(d)
+        except Exception as e:
+            problems.append(f"{d}: its parameters cannot be read to check them for NaN/Inf "
+                            f"({type(e).__name__}: {str(e)[:300]})")
+            continue
+        records += [{"tier": "persistent", **r}
+                    for r in describe_nonfinite(d, step.step, counts)]
+    return records, problems
+
+
+def nonfinite_text(record: dict) -> str:
+    """One line naming tier, step, directory, parameter and count of a non-finite record."""
+    return (f"{record['tier']} step {record['step']} ({record['where']}): parameter "
+            f"{record['param']} holds {record['nonfinite']} non-finite value(s) (NaN/Inf) of "
+            f"{record['size']}")
 
 
 def as_dict(obj: object) -> dict:

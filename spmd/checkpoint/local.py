@@ -9,6 +9,8 @@
 
 Everything a process writes lives under its own rank directory, so wiping one process's
 local storage is deleting that directory. A step counts for rank r when its COMMITTED exists.
+COMMITTED also records `params_finite` (spmd.checkpoint.finite): retention (`prune`) never
+drops the newest committed step whose parameters are finite (absent: finite).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from spmd.checkpoint.files import (
     remove_tree,
     write_json_atomic,
 )
+from spmd.checkpoint.finite import marked_finite
 from spmd.checkpoint.layout import (
     Piece,
     PieceId,
@@ -253,12 +256,16 @@ class LocalTier:
             return make_index(step, self.rank, layout, pieces, [0] * len(pieces)), nbytes, error
         return index, nbytes, None
 
-    def commit(self, step: int, layout: SaveLayout, files: dict[str, str]) -> None:
-        """Write the COMMITTED marker (after every rank agreed)."""
+    def commit(self, step: int, layout: SaveLayout, files: dict[str, str], *,
+               params_finite: bool | None = None) -> None:
+        """Write the COMMITTED marker (after every rank agreed); `params_finite` (None:
+        unknown) is recorded for retention."""
         marker = {"format": FORMAT, "step": step, "rank": self.rank, "signature": layout.signature,
                   "num_processes": layout.num_processes, "files": files,
                   "partners": [q for q in self.held_for if f"partner-{rank_name(q)}.json" in files],
                   "time": time.time()}
+        if params_finite is not None:
+            marker["params_finite"] = params_finite
         write_json_atomic(self.rank_dir(step) / MARKER, marker, fsync=self.fsync)
 
     def discard(self, step: int) -> None:
@@ -376,12 +383,17 @@ class LocalTier:
 
         Never drops `current`, nor any step >= `safe` (the newest step every rank is known to
         have committed before `current`): a step is only dropped when a newer one is committed
-        everywhere. Uncommitted leftovers older than `current` go too. Returns dropped steps.
+        everywhere; nor the newest committed step whose parameters are finite (its marker's
+        `params_finite`, absent counting as finite). Uncommitted leftovers older than `current`
+        go too. Returns dropped steps.
         """
         dropped = []
         committed = [s for s in self.steps_on_disk()
                      if s <= current and (self.rank_dir(s) / MARKER).is_file()]
         keep_set = set(committed[-keep:]) | {current}
+        finite = [s for s in committed if marked_finite(self.marker(s))]
+        if finite:
+            keep_set.add(finite[-1])
         for step in self.steps_on_disk():
             if step >= current or step in keep_set:
                 continue

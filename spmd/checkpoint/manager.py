@@ -8,6 +8,18 @@ background thread per tier. A save that fails anywhere is raised on every rank a
 `maybe_save`/`check`/`close`, naming rank and path; the failed step is never committed, so
 the previous one stays the latest. `close()` emits `checkpoint_summary`: the fraction of wall
 time (creation to close) training spent blocked on, or waiting for, checkpoints.
+
+Invariants
+- Every decision that makes a rank skip or fail a save is agreed (spmd.comm.agreement), so
+  every rank takes the same path: the local tier's commit, the persistent tier's "can rank 0
+  create the step's directory" (before Orbax's save, whose barrier would otherwise hold the
+  other ranks), and its commit.
+- `checkpoint.local_failure: continue` (default): a local-tier save that every rank agreed
+  failed (a full or broken node-local disk) is logged as a WARNING naming rank and path,
+  recorded as `save_failed`, and training goes on (the persistent tier still saves); `stop`
+  raises it like any other failed save. Timeouts always raise.
+- When a save starts, whether the parameters are finite is computed once (a collective:
+  spmd.checkpoint.finite) and recorded with the step in both tiers, for retention.
 """
 
 from __future__ import annotations
@@ -22,10 +34,17 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from spmd.checkpoint.coordination import CheckpointCoordinator, CheckpointTimeout
+from spmd.checkpoint.finite import params_finite
 from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.local import LocalTier, partner_map
-from spmd.checkpoint.persistent import MANIFEST, PersistentTier, persistent_error
+from spmd.checkpoint.persistent import (
+    MANIFEST,
+    PARAMS,
+    PersistentTier,
+    persistent_error,
+    split_state,
+)
 from spmd.checkpoint.policy import SavePolicy, tier_dirs
 from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
@@ -117,6 +136,7 @@ class HierarchicalCheckpointer:
                  events: EventLog | None, mpi_world: MPI.Comm | None = None):
         self.rank, self.size = env.rank, env.size
         self.timeout_s, self.keep, self.use_async = ck.timeout_s, ck.keep, ck.async_
+        self.local_failure = ck.local_failure
         self.events = events
         self.policy = SavePolicy.of(ck)
         local_dir, persistent_dir = tier_dirs(ck, run_dir)
@@ -244,6 +264,11 @@ class HierarchicalCheckpointer:
             self._workers["persistent"].wait(self.timeout_s, self.rank)
         waited = time.perf_counter() - t0
         self._layout_of(state)
+        # collective: every rank, same save, same answer
+        finite = params_finite(split_state(state).get(PARAMS))
+        if finite is False and self.rank == 0:
+            log.warning("step %d: the parameters hold NaN or Inf; saved anyway, and retention "
+                        "keeps the newest step whose parameters are finite", step)
         try:
             snap, waited_snap, blocking = self.snapshotter.take(
                 step, state, int(local_due) + int(persistent_due))
@@ -258,17 +283,19 @@ class HierarchicalCheckpointer:
         self.totals["snapshots"] += 1
         timing = {"blocking_s": round(blocking, 4), "waited_s": round(waited, 4),
                   "ready_s": round(ready, 4),
-                  "snapshot": snap.mode, "shared": local_due and persistent_due}
+                  "snapshot": snap.mode, "shared": local_due and persistent_due,
+                  "params_finite": finite}
         if local_due:
             self.totals["saves"]["local"] += 1
-            self._save_local(step, snap, timing)
+            self._save_local(step, snap, timing, finite)
         if persistent_due:
             self.totals["saves"]["persistent"] += 1
-            self._save_persistent(step, snap, timing)
+            self._save_persistent(step, snap, timing, finite)
         if not self.use_async:
             self.check()
 
-    def _save_local(self, step: int, snap: Snapshot, timing: dict) -> None:
+    def _save_local(self, step: int, snap: Snapshot, timing: dict,
+                    finite: bool | None = None) -> None:
         worker = self._workers["local"]
         layout = self._layout
         assert layout is not None and self.local is not None
@@ -296,14 +323,24 @@ class HierarchicalCheckpointer:
             if not decision["ok"]:
                 local.discard(step)
                 if self.rank == 0:
-                    self._emit("save_failed", tier="local", step=step, errors=decision["errors"])
-                raise CheckpointError(f"step {step} was not committed to the local tier "
-                                      f"({local.root}): " + "; ".join(decision["errors"]))
+                    self._emit("save_failed", tier="local", step=step, errors=decision["errors"],
+                               local_failure=self.local_failure)
+                message = (f"step {step} was not committed to the local tier ({local.root}): "
+                           + "; ".join(decision["errors"]))
+                if decision.get("timeout") or self.local_failure == "stop":
+                    raise CheckpointError(message)
+                self._local_failed(message, own=vote.get("error"))
+                return
             try:
-                local.commit(step, layout, vote["files"])
+                local.commit(step, layout, vote["files"], params_finite=finite)
             except Exception as e:
-                raise CheckpointError(f"rank {self.rank}: writing the COMMITTED marker of step "
-                                      f"{step} in {local.rank_dir(step)} failed: {e}") from e
+                message = (f"rank {self.rank}: writing the COMMITTED marker of step {step} in "
+                           f"{local.rank_dir(step)} failed: {e}")
+                if self.local_failure == "stop":
+                    raise CheckpointError(message) from e
+                self._emit_own_failure(step, message)
+                self._local_failed(message, own=message)
+                return
             dropped = local.prune(self.keep, step, decision["safe"])
             if self.rank == 0:
                 self._emit("saved", tier="local", step=step, mode=mode, bytes=decision["bytes"],
@@ -314,7 +351,21 @@ class HierarchicalCheckpointer:
         if not self.use_async:
             worker.wait(self.timeout_s, self.rank)
 
-    def _save_persistent(self, step: int, snap: Snapshot, timing: dict) -> None:
+    def _local_failed(self, message: str, own: str | None) -> None:
+        """checkpoint.local_failure=continue: say so (rank 0 for all; a failing rank for
+        itself, in its own log) and go on."""
+        if self.rank == 0 or own:
+            log.warning("%s; training goes on and the persistent tier still saves "
+                        "(checkpoint.local_failure=continue; `stop` ends the run instead)",
+                        message if self.rank == 0 else own)
+
+    def _emit_own_failure(self, step: int, error: str) -> None:
+        """A failure only this rank saw (not agreed): recorded by this rank itself."""
+        self._emit("save_failed", tier="local", step=step, errors=[error],
+                   local_failure=self.local_failure)
+
+    def _save_persistent(self, step: int, snap: Snapshot, timing: dict,
+                         finite: bool | None = None) -> None:
         assert self.persistent is not None
         persistent = self.persistent
         worker = self._workers["persistent"]
@@ -325,6 +376,17 @@ class HierarchicalCheckpointer:
             error = None
             t0 = time.perf_counter()
             try:
+                writable = persistent.agree_writable(step)   # collective: every rank
+            except BaseException:
+                snap.release()
+                raise
+            if not writable["ok"]:      # no rank calls Orbax's save: nobody waits in it
+                snap.release()
+                if self.rank == 0:
+                    self._emit("save_failed", tier="persistent", step=step,
+                               errors=writable.get("errors"))
+                raise persistent_error(writable, step)
+            try:
                 arrays = snap.arrays()
                 persistent.start_save(step, arrays)   # Orbax's copy of the snapshot
                 del arrays
@@ -334,7 +396,7 @@ class HierarchicalCheckpointer:
             finally:
                 snap.release()
             started = time.perf_counter() - t0
-            decision = persistent.finish_save(step, error)
+            decision = persistent.finish_save(step, error, finite)
             if not decision["ok"]:
                 if self.rank == 0:
                     self._emit("save_failed", tier="persistent", step=step,

@@ -13,12 +13,23 @@ gathers them and writes
 `<step>/spmd_manifest.json`. A step counts as committed only when that manifest exists:
 a step Orbax finalized but we could not vouch for is neither restored nor counted by
 retention, so it never pushes out the newest step we can vouch for.
+
+Invariants
+- Before Orbax's save of a step the ranks agree (`agree_writable`) that rank 0, the process
+  that creates Orbax's directories, can create one in the root: when it cannot, no rank calls
+  Orbax's save (whose barrier would otherwise hold the other ranks for `checkpoint.timeout_s`)
+  and every rank raises the same one-line error naming the root and
+  `checkpoint.persistent_dir`.
+- The manifest records `params_finite` (spmd.checkpoint.finite); retention never deletes the
+  newest committed step whose parameters are finite (absent: finite), besides the newest
+  `keep`. Which steps go is decided once, by rank 0 inside the commit agreement.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -35,6 +46,7 @@ from spmd.checkpoint.files import (
     read_json,
     write_json_atomic,
 )
+from spmd.checkpoint.finite import count_nonfinite, marked_finite
 from spmd.checkpoint.interface import CheckpointError
 from spmd.checkpoint.layout import parallel_map
 from spmd.comm.agreement import Coordinator
@@ -132,9 +144,21 @@ def read_manifest(step_dir: Path) -> dict | None:
     return m if isinstance(m, dict) and m.get("format") == FORMAT else None
 
 
+def retained(manifests: dict[int, dict | None], keep: int) -> set[int]:
+    """The committed steps retention keeps: the newest `keep`, and the newest whose
+    parameters are finite (`params_finite` absent counts as finite)."""
+    good = sorted(s for s, m in manifests.items() if m is not None)
+    kept = set(good[-keep:]) if keep > 0 else set()
+    finite = [s for s in good if marked_finite(manifests[s])]
+    if finite:
+        kept.add(finite[-1])
+    return kept
+
+
 @dataclass
 class VerifiedLatestN:
-    """Orbax preservation policy: keep the newest `n` steps that have our manifest.
+    """Orbax preservation policy: keep the newest `n` steps that have our manifest, and the
+    newest of those whose parameters are finite.
 
     Steps newer than the newest verified one (a save in flight) are kept too; older
     unverified steps (Orbax finalized, manifest never written) are not.
@@ -144,11 +168,27 @@ class VerifiedLatestN:
     root: Path
 
     def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
-        verified = [(self.root / str(c.step) / MANIFEST).is_file() for c in checkpoints]
-        good = [c.step for c, v in zip(checkpoints, verified) if v]
-        keep = set(good[-self.n:]) if good else set()
-        newest = good[-1] if good else -1
+        manifests = {c.step: ((read_manifest(self.root / str(c.step)) or {})
+                              if (self.root / str(c.step) / MANIFEST).is_file() else None)
+                     for c in checkpoints}
+        good = [s for s, m in manifests.items() if m is not None]
+        keep = retained(manifests, self.n)
+        newest = max(good) if good else -1
         return [c.step in keep or c.step > newest for c in checkpoints]
+
+
+def probe_writable(root: Path) -> str | None:
+    """None when a directory can be created (and removed) in `root`, else why not.
+
+    Cheap: one mkdir and one rmdir of a hidden probe (never a step, never seen by Orbax).
+    """
+    probe = root / f".spmd-write-probe-{os.getpid()}"
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        probe.rmdir()
+    except OSError as e:
+        return e.strerror or f"{type(e).__name__}: {e}"
+    return None
 
 
 def use_kv_store_barriers() -> None:
@@ -229,6 +269,23 @@ class PersistentTier:
     def due(self, step: int) -> bool:
         return bool(self.manager.should_save(step))
 
+    def agree_writable(self, step: int) -> dict:
+        """Collective, before `start_save`: can rank 0 create step `step`'s directory?
+
+        Rank 0 creates Orbax's directories and the others wait for it in Orbax's barrier,
+        so a rank 0 that cannot would hold them there for `checkpoint.timeout_s`. Decided
+        first, every rank learns it at once: {"ok": False, "errors": [...]} means no rank
+        may call Orbax's save.
+        """
+        vote: dict = {"ok": True}
+        if self.rank == 0:
+            why = probe_writable(self.root)
+            if why is not None:
+                vote = {"ok": False, "error": (
+                    f"rank 0: cannot create step {step}'s directory in {self.root} "
+                    f"(checkpoint.persistent_dir): {why}")}
+        return self.coord.agree(f"check that persistent step {step} can be written", vote)
+
     def start_save(self, step: int, state: Any) -> None:
         """Orbax's blocking part (its own copy of `state`); the writes go on in its threads.
 
@@ -242,10 +299,13 @@ class PersistentTier:
         items = {name: save(tree) for name, tree in split_state(state).items()}
         self.manager.save(step, args=args.Composite(**items), force=True)
 
-    def finish_save(self, step: int, error: str | None = None) -> dict:
+    def finish_save(self, step: int, error: str | None = None,
+                    params_finite: bool | None = None) -> dict:
         """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0).
 
         `error`: this rank's save failed to start; it still votes, so no rank waits in vain.
+        `params_finite`: whether the step's parameters are finite (None: unknown), recorded
+        in the manifest for retention.
         """
         t0 = time.perf_counter()
         where = self.step_dir(step)
@@ -265,7 +325,8 @@ class PersistentTier:
             vote = {"ok": False, "error": f"rank {self.rank}: persistent save of step {step} to "
                                           f"{where} failed: {type(e).__name__}: {e}"}
         decision = self.coord.agree(f"finish the persistent save of step {step}", vote,
-                                    lambda votes: self._commit(where, step, votes))
+                                    lambda votes: self._commit(where, step, votes,
+                                                               params_finite))
         if decision["ok"]:
             self.drop(decision["drop"])
             decision["dropped"] = decision.pop("drop")
@@ -273,14 +334,20 @@ class PersistentTier:
             decision["orbax_s"] = orbax_s  # this rank's wait for Orbax; the rest: our manifest
         return decision
 
-    def _commit(self, where: Path, step: int, votes: list[dict]) -> dict:
+    def _commit(self, where: Path, step: int, votes: list[dict],
+                params_finite: bool | None = None) -> dict:
         """Rank 0, inside the agreement: the manifest, then which committed steps retention
-        drops (beyond the newest `keep`). Decided once and broadcast, because Orbax's delete
-        is collective: ranks that listed the directory themselves, while rank 0 was already
-        deleting, disagreed on the list and waited in different barriers for ever."""
-        decision = _write_manifest(where, step, votes, self.size)
+        drops (beyond the newest `keep`, never the newest with finite parameters). Decided
+        once and broadcast, because Orbax's delete is collective: ranks that listed the
+        directory themselves, while rank 0 was already deleting, disagreed on the list and
+        waited in different barriers for ever."""
+        decision = _write_manifest(where, step, votes, self.size, params_finite)
         if decision["ok"]:
-            decision["drop"] = self.committed_steps(reload=True)[:-self.keep]
+            manifests = {s: read_manifest(self.step_dir(s))
+                         for s in self.orbax_steps(reload=True)}
+            kept = retained(manifests, self.keep)
+            decision["drop"] = [s for s, m in sorted(manifests.items())
+                                if m is not None and s not in kept]
         return decision
 
     def drop(self, steps: list[int]) -> None:
@@ -337,7 +404,8 @@ class _StartFailed(Exception):
     """This rank's Orbax save raised before it got going (message names rank and path)."""
 
 
-def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int) -> dict:
+def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int,
+                    params_finite: bool | None = None) -> dict:
     errors = [v["error"] for v in votes if not v.get("ok")]
     if errors:
         return {"ok": False, "errors": errors}
@@ -348,7 +416,8 @@ def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int) -> 
     try:
         write_json_atomic(step_dir / MANIFEST, {
             "format": FORMAT, "step": step, "num_processes": size, "files": files,
-            "nbytes": nbytes, "time": time.time()})
+            "nbytes": nbytes, "time": time.time(),
+            **({} if params_finite is None else {"params_finite": params_finite})})
     except OSError as e:
         return {"ok": False, "errors": [f"rank 0: writing {step_dir / MANIFEST} failed: {e}"]}
     return {"ok": True, "bytes": nbytes, "files": len(files)}
@@ -357,3 +426,31 @@ def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int) -> 
 def persistent_error(decision: dict, step: int) -> CheckpointError:
     return CheckpointError(f"step {step} was not committed to the persistent tier: "
                            + "; ".join(decision.get("errors") or [decision.get("error", "?")]))
+
+
+def nonfinite_persistent(step_dir: Path) -> dict[str, tuple[int, int]]:
+    """{parameter path: (non-finite count, size)} of a persistent step's parameters, read
+    onto the host with Orbax (the `params` item; the `params` subtree of a legacy step)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from spmd.sharding import path_str
+
+    legacy = not (step_dir / PARAMS).is_dir() and (step_dir / LEGACY_ITEM).is_dir()
+    item = step_dir / (LEGACY_ITEM if legacy else PARAMS)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        meta = checkpointer.metadata(item)
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+            item=tree, restore_args=args))
+    if legacy:
+        restored = restored.get("params", {}) if isinstance(restored, Mapping) else {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(restored)
+    out = {}
+    for path, value in flat:
+        values = np.asarray(value)
+        out[path_str(path)] = (count_nonfinite(values), values.size)
+    return out

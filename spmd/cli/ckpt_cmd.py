@@ -1,5 +1,8 @@
 """`spmd ckpt ls RUN_DIR` / `spmd ckpt verify RUN_DIR`: checkpoints in every tier, and integrity.
 
+`verify` exits 1 when a file fails its checksum (one DAMAGED line each) or a committed
+step's parameters hold NaN/Inf (one NON-FINITE line per step and parameter, with the count).
+
 Both read RUN_DIR/config.yaml for the tier directories (defaults: RUN_DIR/local and
 RUN_DIR/checkpoints). A node-local tier on another node is not visible from here: run these on
 the node (e.g. inside the allocation) to see it.
@@ -21,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = csub.add_parser("ls", help="steps per tier: committed or not, sizes, partner copies")
     ls.add_argument("run_dir", type=Path, help="the run directory (holds config.yaml)")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
-    ver = csub.add_parser("verify", help="recompute every checksum; non-zero exit on damage")
+    ver = csub.add_parser("verify", help="recompute every checksum and look for NaN/Inf in "
+                          "the parameters; non-zero exit on damage or non-finite parameters")
     ver.add_argument("run_dir", type=Path, help="the run directory (holds config.yaml)")
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -96,14 +100,23 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from spmd.checkpoint.listing import verify_local, verify_persistent
+    from spmd.checkpoint.listing import (
+        nonfinite_persistent_steps,
+        nonfinite_text,
+        verify_local,
+        verify_persistent,
+    )
 
     local_dir, persistent_dir = tiers(args.run_dir)
-    local_problems, local_checked = verify_local(local_dir)
+    nonfinite: list[dict] = []
+    local_problems, local_checked = verify_local(local_dir, nonfinite)
     pers_problems, pers_checked = verify_persistent(persistent_dir)
-    problems = local_problems + pers_problems
+    pers_nonfinite, unreadable = nonfinite_persistent_steps(persistent_dir)
+    nonfinite += pers_nonfinite
+    problems = local_problems + pers_problems + unreadable
     if args.json:
-        print(json.dumps({"ok": not problems, "problems": problems,
+        print(json.dumps({"ok": not problems and not nonfinite, "problems": problems,
+                          "nonfinite": nonfinite,
                           "checked": {"local": local_checked, "persistent": pers_checked}},
                          indent=1))
     else:
@@ -113,4 +126,6 @@ def _verify(args: argparse.Namespace) -> int:
               f"{len(pers_problems)} damaged")
         for p in problems:
             print(f"DAMAGED: {p}", file=sys.stderr)
-    return 1 if problems else 0
+        for r in nonfinite:
+            print(f"NON-FINITE: {nonfinite_text(r)}", file=sys.stderr)
+    return 1 if problems or nonfinite else 0

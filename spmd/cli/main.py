@@ -13,6 +13,7 @@ import logging
 import sys
 import traceback
 
+from spmd.comm.job_failure import announced, end_process
 from spmd.errors import ExitCode, SpmdError
 
 COMMANDS = ("train", "run", "doctor", "shardings", "jobscript", "ckpt", "plot", "data", "plan",
@@ -44,9 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     except SpmdError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"spmd {args.command}: error: {e}", file=sys.stderr)
+        if announced() is None:  # a failed rank of a job logged it already, with rank and host
+            print(f"spmd {args.command}: error: {e}", file=sys.stderr)
         code = e.exit_code
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
+    except BaseException:
+        if announced() is None:
+            raise
+        code = announced()  # logged with its traceback by the rank (spmd.loop.trainer)
+    if announced() is not None:
+        # a failed rank of a multi-process job: JAX's exit handler would wait for the other
+        # ranks in the shutdown barrier, and they are gone (spmd.comm.job_failure)
+        end_process(int(code or 1))
     return int(code or 0)
 

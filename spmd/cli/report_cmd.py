@@ -1,9 +1,11 @@
 """`spmd report RUN_DIR [--json] [--plot]`: the goodput ledger of a run, over every job.
 
-Reads the whole history of a run directory (events.jsonl, metrics.jsonl, config.yaml) and
+Reads the whole history of a run directory (events.jsonl, metrics.jsonl and the records a
+resume moved to metrics.replayed.jsonl, config.yaml) and
 prints one row per job (first submission, requeues, chained jobs, reruns), the parts the
-wall time splits into, and the goodput (spmd.rundir.goodput defines every part). `--plot`
-also draws RUN_DIR/plots/timeline.png (spmd.rundir.timeline).
+wall time splits into, and the goodput (spmd.rundir.goodput defines every part), then the
+ranks named as stragglers (spmd.rundir.stragglers_report). `--plot` also draws
+RUN_DIR/plots/timeline.png (spmd.rundir.timeline).
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spmd.rundir.goodput import build_ledger
-    from spmd.rundir.metrics import read_jsonl
+    from spmd.rundir.metrics import read_jsonl, replayed_path
+    from spmd.rundir.stragglers_report import format_stragglers, stragglers
 
     run_dir = Path(args.run_dir)
     events_path = run_dir / "events.jsonl"
     if not events_path.is_file():
         raise SpmdError(f"{events_path}: no events; is {run_dir} a run directory (run.dir)?")
-    ledger = build_ledger(read_jsonl(events_path), _records(run_dir / "metrics.jsonl"),
-                          _batch_size(run_dir))
+    events = read_jsonl(events_path)
+    # the records a resume moved aside (steps trained again) still count for the job that
+    # wrote them: lost time
+    metrics = run_dir / "metrics.jsonl"
+    records = sorted(_records(replayed_path(metrics)) + _records(metrics),
+                     key=lambda r: r.get("time", 0.0))
+    ledger = build_ledger(events, records, _batch_size(run_dir))
+    slow = stragglers(events)
     if not ledger.jobs:
         raise SpmdError(f"{events_path}: no job has started in this run directory yet")
     plot = None
@@ -45,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
         plot = plot_timeline(ledger, run_dir / "plots" / "timeline.png")
     if args.json:
         print(json.dumps({"run_dir": str(run_dir), **ledger.as_dict(),
+                          "stragglers": [s.as_dict() for s in slow],
                           "plot": str(plot) if plot else None}, indent=1))
         return 0
     print(format_ledger(ledger))
+    print(format_stragglers(slow))
     if plot is not None:
         print(plot)
     return 0

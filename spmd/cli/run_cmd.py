@@ -21,6 +21,7 @@ at the end, one per line, after Hydra's own report.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -29,11 +30,17 @@ import sys
 import time
 from pathlib import Path
 
-from spmd.errors import SpmdError
+import psutil
+
+from spmd.comm.hang_watchdog import HUNG_FILE_NAME
+from spmd.errors import ExitCode, SpmdError
 from spmd.launch import rank_shim
 from spmd.launch.watchdog import launcher_environ
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+ENDING = (signal.SIGTERM, signal.SIGINT)   # the ranks save and stop, or are killed
+KILL_AFTER_S = 30.0      # after checkpoint.timeout_s, for ranks that do not end on a signal
+DEFAULT_SAVE_S = 600.0   # checkpoint.timeout_s's default, for entries other than train
 # Per-rank variables an outer launcher may have left; inherited, they would make every local
 # rank claim the same identity.
 _STALE_PREFIXES = ("SLURM_STEP_", "JSM_NAMESPACE_", "PALS_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_",
@@ -95,8 +102,9 @@ def child_env(ppn: int) -> dict[str, str]:
     return env
 
 
-def check_lease(config: str, overrides: list[str]) -> Path:
-    """The config's run.dir; refused at once (LeaseHeld, status 2) when a live run holds it."""
+def check_lease(config: str, overrides: list[str]) -> tuple[Path, float]:
+    """The config's run.dir and checkpoint.timeout_s; refused at once (LeaseHeld, status 2)
+    when a live run holds the run.dir."""
     from spmd.config.load import load_config
     from spmd.rundir.lease import LEASE_NAME, LeaseHeld, inspect_lease, refusal
 
@@ -105,7 +113,36 @@ def check_lease(config: str, overrides: list[str]) -> Path:
     if state is not None and not state.stale:
         raise LeaseHeld(refusal(cfg.run.dir / LEASE_NAME, state.holder,
                                 time.time() - state.heartbeat_age_s, cfg.run.lease_stale_s))
-    return Path(cfg.run.dir)
+    return Path(cfg.run.dir), cfg.checkpoint.timeout_s
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL mpiexec and every process below it (the ranks run in sessions of their own,
+    so a process group does not reach them; a stopped rank ends on nothing else)."""
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    for p in [*reversed(below)]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def hang_line(run_dir: Path, since: float) -> str | None:
+    """The hang report the ranks left in run.dir during this job (spmd.loop.trainer)."""
+    path = run_dir / HUNG_FILE_NAME
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        return str(json.loads(path.read_text())["line"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def log_sizes(run_dir: Path) -> dict[Path, int]:
@@ -133,8 +170,10 @@ def run(args: argparse.Namespace) -> int:
     if args.ppn < 1 or args.n % args.ppn:
         raise SpmdError(f"spmd run: --ppn {args.ppn} does not divide -n {args.n} into equal nodes")
     mpiexec = find_mpiexec()
-    run_dir = check_lease(args.config, args.overrides) if args.entry == "train" else None
+    run_dir, save_s = (check_lease(args.config, args.overrides) if args.entry == "train"
+                       else (None, DEFAULT_SAVE_S))
     before = log_sizes(run_dir) if run_dir is not None else {}
+    started = time.time()
     # each rank behind a shim: Hydra then sees its exit code, not a death by signal, and
     # leaves the other ranks alive to name the lost one (see launch/rank_shim.py)
     rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
@@ -146,7 +185,18 @@ def run(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True,
                             preexec_fn=rank_shim.die_with_parent if on_linux else None)
 
+    # SIGTERM/SIGINT: the ranks save and stop; those that have not ended after
+    # checkpoint.timeout_s + 30 s (a stuck rank never reaches the step) are killed. A second
+    # SIGINT (Ctrl-C twice) kills at once.
+    ending: dict[str, float] = {}
+
     def forward(signum: int, frame: object) -> None:
+        if signum in ENDING:
+            if signum == signal.SIGINT and "SIGINT" in ending:
+                ending["deadline"] = 0.0
+            ending.setdefault(signal.Signals(signum).name, time.monotonic())
+            ending.setdefault("signal", float(signum))
+            ending.setdefault("deadline", time.monotonic() + save_s + KILL_AFTER_S)
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -156,13 +206,31 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                code = proc.wait()
+                code = proc.wait(timeout=0.5)
                 break
+            except subprocess.TimeoutExpired:
+                if "deadline" in ending and time.monotonic() >= ending["deadline"]:
+                    print(f"spmd run: the ranks did not stop within {save_s + KILL_AFTER_S:.0f} s"
+                          f" of {signal.Signals(int(ending['signal'])).name}"
+                          f" (checkpoint.timeout_s={save_s:g} + {KILL_AFTER_S:.0f} s): killing "
+                          "them; resume from the last committed checkpoint", file=sys.stderr,
+                          flush=True)
+                    kill_job(proc)
+                    proc.wait()
+                    return 128 + int(ending["signal"])
             except KeyboardInterrupt:  # a handler raced us; keep waiting for the ranks
                 continue
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if code < 0:  # mpiexec itself was killed (kill -9): its ranks end with it
+        print(f"spmd run: {mpiexec.name} (pid {proc.pid}) was killed by "
+              f"{signal.Signals(-code).name}; its ranks end with it (their saves in flight "
+              "stay uncommitted); resume from the last committed checkpoint", file=sys.stderr,
+              flush=True)
+    if code != 0 and run_dir is not None and (line := hang_line(run_dir, started)):
+        print(f"spmd run: {line}", file=sys.stderr, flush=True)
+        return ExitCode.HUNG
     if code != 0 and run_dir is not None and (errors := error_lines(run_dir, before)):
         print(f"spmd run: the ranks' errors (from {run_dir / 'logs'}):", file=sys.stderr)
         for line in errors:

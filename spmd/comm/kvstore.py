@@ -7,6 +7,9 @@ initialized (one process) or the attribute moved.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -18,3 +21,29 @@ def kv_client() -> Any | None:
         return distributed.global_state.client
     except (ImportError, AttributeError):
         return None
+
+
+@dataclass
+class Outcome:
+    """What a bounded call to the store gave: its value, or why not (`error`)."""
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+def bounded(fn: Callable[[], Any], timeout_s: float) -> Outcome:
+    """`fn()` (a call to the store) on a helper thread, given up after `timeout_s`: the store
+    lives in rank 0's process, which may be the stopped or stuck one."""
+    out = Outcome(False, error=f"no answer within {timeout_s:g} s")
+
+    def call() -> None:
+        try:
+            out.value, out.ok = fn(), True
+        except Exception as e:  # the client raises its own runtime error type
+            out.error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+    thread = threading.Thread(target=call, daemon=True, name="spmd-kv-call")
+    thread.start()
+    thread.join(timeout_s)
+    return out

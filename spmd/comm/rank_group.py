@@ -1,10 +1,11 @@
 """`RankGroup`: every rank of the job, and the one channel they talk over.
 
 Collectives that every rank calls, at the same point of its program and in the same order:
-`broadcast_str` (one rank's text on every rank) and `allreduce_max` (the element-wise
-maximum of a few integers). They travel over MPI when the job has an MPI world of the
-job's size (`spmd.launch.mpi.world()`, as bootstrap found it), else over the jax.distributed
-key-value store (`spmd.comm.kvstore`); one process needs neither.
+`broadcast_str` (one rank's text on every rank), `allgather_str` (every rank's text on every
+rank, in rank order) and `allreduce_max` (the element-wise maximum of a few integers). They
+travel over MPI when the job has an MPI world of the job's size (`spmd.launch.mpi.world()`,
+as bootstrap found it), else over the jax.distributed key-value store (`spmd.comm.kvstore`);
+one process needs neither.
 
 Invariants
 - No wait is unbounded: each one gives up after `timeout_s` with a LaunchError (the launch
@@ -13,9 +14,10 @@ Invariants
 - The channel is chosen at the first collective and kept: every rank of a job sees the same
   MPI world, so all ranks pick the same one.
 - On the key-value store, keys live under `spmd/<name>/<call number>/`: `name` keeps two
-  groups apart, the call number two calls of one group. A rank deletes its reduce entry of
-  the previous call once the next call's barrier shows every rank has read it; a broadcast
-  leaves its one key behind (broadcasts are rare: a run's lease, a stop reason).
+  groups apart, the call number two calls of one group. A rank deletes its reduce or gather
+  entry of the previous such call once the next such call's barrier shows every rank has
+  read it (so at most one entry per rank is left per group); a broadcast leaves its one key
+  behind (broadcasts are rare: a run's lease, a stop reason).
 - Strings are at most `spmd.launch.mpi.WIDTH` bytes (longer ones are cut) on both channels.
 """
 
@@ -79,18 +81,41 @@ class RankGroup:
             out = self._over_mpi(mpi.allreduce_max, comm, np.array(values, dtype=np.int64),
                                  what=what)
             return [int(v) for v in out]
-        client, prefix = self._client(what), f"spmd/{self.name}/{self._calls}/max"
+        rows = [json.loads(v) for _, v in
+                self._post_and_read("max", json.dumps([int(v) for v in values]), what)]
+        return [max(column) for column in zip(*rows, strict=True)]
+
+    def allgather_str(self, text: str, what: str) -> list[str]:
+        """Every rank's `text`, in rank order, on every rank. `what` completes "could not ..."."""
+        self._calls += 1
+        comm = self._mpi() if self.env.size > 1 else None
+        if comm is not None:
+            return self._over_mpi(mpi.allgather_str, comm, text, what=what)
+        text = text.encode()[:mpi.WIDTH].decode(errors="replace")  # as over MPI
+        if self.env.size == 1:
+            return [text]
+        rows = self._post_and_read("gather", text, what)
+        by_rank = {int(key.rsplit("/", 1)[1]): value for key, value in rows}
+        if sorted(by_rank) != list(range(self.env.size)):
+            raise LaunchError(f"{self.env.who}: could not {what}: the key-value store holds "
+                              f"entries of ranks {sorted(by_rank)} for {self.env.size} ranks")
+        return [str(by_rank[r]) for r in range(self.env.size)]
+
+    def _post_and_read(self, kind: str, value: str, what: str) -> list[tuple[str, str]]:
+        """kv channel: post this rank's `value`, wait for every rank, read every entry (key,
+        value) of this call; then delete our entry of the previous such call."""
+        client, prefix = self._client(what), f"spmd/{self.name}/{self._calls}/{kind}"
         try:
-            client.key_value_set(f"{prefix}/{self.env.rank}", json.dumps([int(v) for v in values]))
+            client.key_value_set(f"{prefix}/{self.env.rank}", value)
             # One reused barrier id (jax keeps a counter per id), so nothing grows per call.
             client.wait_at_barrier(f"spmd/{self.name}", int(self.timeout_s * 1000))
-            rows = [json.loads(v) for _, v in client.key_value_dir_get(f"{prefix}/")]
+            rows = list(client.key_value_dir_get(f"{prefix}/"))
             if self._posted is not None:  # every rank is past the call that read it
                 client.key_value_delete(self._posted)
             self._posted = f"{prefix}/{self.env.rank}"
         except Exception as e:  # the client raises its own runtime error type
             raise self._kv_error(what, e) from e
-        return [max(column) for column in zip(*rows, strict=True)]
+        return rows
 
     def _mpi(self) -> Any:
         """The MPI world when it spans exactly this job's ranks, else None (decided once)."""

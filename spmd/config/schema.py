@@ -123,6 +123,9 @@ class CheckpointConfig(_Section):
     # reused host buffers) | pinned (D2H into pinned host memory) | device (on-device copy,
     # D2H in the background). See spmd/checkpoint/snapshot.py.
     snapshot: Literal["auto", "alias", "host", "pinned", "device"] = "auto"
+    # A local-tier save that fails (full or broken node-local disk): `continue` logs it and
+    # trains on, saving to the persistent tier; `stop` ends the run as any failed save does.
+    local_failure: Literal["continue", "stop"] = "continue"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -133,6 +136,14 @@ class LaunchConfig(_Section):
     barrier_timeout_s: float = Field(300.0, gt=0)
     # Stop (and save) this many seconds before the allocation's known end time.
     walltime_margin_s: float = Field(300.0, ge=0)
+    # The hang watchdog: a rank whose training step has not completed for this long dumps
+    # every thread's stack, names the ranks that did not reach the step, and the job exits
+    # with ExitCode.HUNG. None: automatic, max(600, 20 x the median step time after warm-up);
+    # 0: off. Compilation, restore and checkpoint saves have their own bounds.
+    step_timeout_s: float | None = Field(None, ge=0)
+    # A rank whose host-side step time exceeds this factor x the median over ranks for 3
+    # checks in a row (one check every run.log_every steps) is named as a straggler.
+    straggler_factor: float = Field(1.3, gt=1)
 
 
 class Config(_Section):

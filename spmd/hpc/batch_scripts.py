@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spmd import jobscripts
+from spmd.comm.hang_watchdog import HUNG_FILE_NAME
 from spmd.errors import ExitCode, SpmdError
 from spmd.hpc.systems import Scheduler, SystemProfile, system_profile
 from spmd.launch.preemption import HALT_FILE_NAME
@@ -277,6 +278,7 @@ def render(req: JobRequest) -> str:
         "bind_wrapper": (p.bind_wrapper.replace("{gpus_per_node}", str(req.gpus_per_node))
                          if p.bind_wrapper else None),
         "halt_file": HALT_FILE_NAME, "preempted_exit": int(ExitCode.PREEMPTED),
+        "hung_file": HUNG_FILE_NAME, "hung_exit": int(ExitCode.HUNG),
         "forward_signal": FORWARD_SIGNAL, "traps": TRAPPED_SIGNALS[p.scheduler],
         "script_path": str(req.script_path) if req.script_path else "",
         "command_line": command_line(req),

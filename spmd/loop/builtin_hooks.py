@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -96,6 +97,8 @@ class MetricsHook:
         self.progress: Progress | None = None
         self.trackers: list[Tracker] = []
         self.is_main = is_main
+        # more fields of a step's train record (the straggler monitor's, at its checks)
+        self.fields_of: list[Callable[[int], dict]] = []
 
     def start(self, info: StepInfo) -> None:
         cfg = self.rt.cfg
@@ -131,6 +134,8 @@ class MetricsHook:
         if self.is_main:
             record["lr"] = self.learning_rate(info.step)
         record.update({k: v for k, v in values.items() if k != "loss"})
+        for fields in self.fields_of:
+            record.update(fields(info.step))
         if not np.isfinite(record["loss"]):
             self.events.emit("nonfinite_loss", step=info.step, loss=str(record["loss"]))
         self.record(record)

@@ -10,8 +10,11 @@ status (spmd.errors.ExitCode) and the `stopped` or `preempted` event.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,11 +26,13 @@ from jax.experimental import multihost_utils
 
 from spmd.checkpoint import Checkpointer, create_checkpointer
 from spmd.comm import RankGroup, StopVote
+from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog
+from spmd.comm.job_failure import FailureWatch, announce
 from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import Runtime, build_runtime
-from spmd.errors import ExitCode
+from spmd.errors import ExitCode, SpmdError
 from spmd.launch import (
     HALT_FILE_NAME,
     LaunchEnv,
@@ -47,8 +52,9 @@ from spmd.loop.builtin_hooks import (
 )
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
 from spmd.loop.profiler_hook import ProfilerHook, profiling
+from spmd.loop.stragglers import StragglerMonitor
 from spmd.rundir.lease import RunLease
-from spmd.rundir.metrics import EventLog, setup_logging
+from spmd.rundir.metrics import EventLog, drop_records_after, setup_logging
 from spmd.tasks import Task
 
 log = logging.getLogger("spmd.loop.trainer")
@@ -69,6 +75,7 @@ class Trainer:
         self.task = task
         self.exit_code: int = ExitCode.OK  # set by `fit` from how the run ended
         self._user_hooks: list[Hook] = []
+        self._hang: StepWatchdog | None = None  # armed by `fit` for its loop
 
     def add_hook(self, fn: HookFn, *, every: int = 1, name: str = "") -> Hook:
         """Call `fn(StepInfo)` after every `every`-th update and at the run's last step.
@@ -89,7 +96,8 @@ class Trainer:
         env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                         heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
         run_dir = Path(cfg.run.dir)
-        lease, events = None, None
+        lease, events, failed = None, None, False
+        failures = FailureWatch(env).start()  # another rank's error ends this one at once
         try:
             # One writer per run.dir: rank 0 leases it before writing there; refused: all exit 2.
             lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
@@ -105,14 +113,27 @@ class Trainer:
                         run_start=round(run_start, 3))
             lease.start(events)  # logs the acquisition or take-over; heartbeat while training
             return self.fit(env, events)
+        except SystemExit:  # a status every rank agreed on (a refused lease): no failure
+            raise
         except BaseException as e:
+            failed = True
+            error = failure_line(e)
+            if isinstance(e, SpmdError | KeyboardInterrupt):
+                log.error("%s: %s", env.who, error)
+            else:
+                log.error("%s failed: %s", env.who, error, exc_info=True)
+            # every other rank ends now, with this status, instead of waiting for this one
+            announce(env, error, exit_status(e), type(e).__name__)
             if events is not None:  # how this job ended, for `spmd report`
-                # recorded, not logged: the CLI prints the error itself, once
-                events.record("failed", error=f"{type(e).__name__}: {e}"[:500])
+                events.record("failed", error=error[:500])
             raise
         finally:
-            if env.size > 1:
-                shutdown()  # jax.distributed.shutdown, after disarming the peer watchdog
+            if env.size > 1 and not failed:
+                # jax.distributed.shutdown, after disarming the peer watchdog: a barrier of
+                # all ranks, which a failed job skips (the CLI ends the failed rank at once);
+                # a failure announced meanwhile still ends this rank (FailureWatch)
+                shutdown()
+            failures.stop()
             if lease is not None:
                 lease.release()  # finished, preempted (75) or failed: every rank is done
             if events is not None:
@@ -150,7 +171,14 @@ class Trainer:
             state, start = rt.init(), 0
             events.emit("initialized", step=0, seconds=round(time.perf_counter() - began, 4))
 
+        if is_main and restored is not None:  # steps after the restored one were lost
+            replayed = drop_records_after(run_dir / "metrics.jsonl", start)
+            if replayed:
+                log.info("moved %d metrics records of steps after the restored step %d (they "
+                         "are trained again) to metrics.replayed.jsonl", replayed, start)
         clock = StepClock(start)
+        self._hang = StepWatchdog(env, cfg.launch.step_timeout_s,
+                                  on_hang=lambda report: record_hang(run_dir, events, report))
         metrics = MetricsHook(rt, run_dir, events, is_main, clock)
         hooks = self._hooks(rt, env, events, checkpointer, metrics)
         info = StepInfo(step=start, state=state, metrics={}, final=start >= cfg.train.steps)
@@ -161,10 +189,13 @@ class Trainer:
             compiled, seconds = rt.compile_train_step()
             events.emit("compiled", seconds=round(seconds, 3))
             clock.lap(start)  # compile time is not step time
+            self._hang.start(start)
             info, stopped = self._loop(compiled, rt, info, hooks)
         except BaseException:
             metrics.close()
             raise
+        finally:
+            self._hang.stop()  # the last saves below have their own bounds
         closing = {}
         for hook in hooks:
             began = time.perf_counter()
@@ -183,19 +214,24 @@ class Trainer:
             state, metrics = compiled(state, rt.feed.global_batch(source, step))
             info = StepInfo(step=step + 1, state=state, metrics=metrics, final=step + 1 == total)
             info, stopped = self._after_update(info, hooks)
+            if self._hang is not None:
+                self._hang.beat(step + 1)
             if stopped is not None:
                 return info, stopped
         return info, None
 
-    @staticmethod
-    def _after_update(info: StepInfo, hooks: list[Hook]) -> tuple[StepInfo, Stopped | None]:
+    def _after_update(self, info: StepInfo,
+                      hooks: list[Hook]) -> tuple[StepInfo, Stopped | None]:
         """The due hooks, in order. The first stop request makes the step final for the
-        hooks after it; a later request at the same step is logged and ignored."""
+        hooks after it; a later request at the same step is logged and ignored. A save has
+        its own bounds (checkpoint.timeout_s), so the hang watchdog excuses it."""
         stopped: Stopped | None = None
         for hook in hooks:
             if not hook.due(info):
                 continue
-            request = hook(info)
+            timed = self._hang is None or hook.name not in OWN_BOUNDS
+            with contextlib.nullcontext() if timed else self._hang.excused():
+                request = hook(info)
             if request is None:
                 continue
             if stopped is None:
@@ -241,15 +277,24 @@ class Trainer:
             log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
                      cfg.launch.walltime_margin_s)
         preemption = PreemptionHook(stop_vote)
-        hooks = []
-        if profiling(cfg.run.profile, env.rank):  # first: the trace stops right after an update
+        # Host-side step time per rank: from leaving one step's preemption vote (a collective,
+        # so all ranks leave it together) to arriving at the next step's hooks.
+        stragglers = StragglerMonitor(
+            RankGroup(env, cfg.launch.barrier_timeout_s, "launch.barrier_timeout_s",
+                      "stragglers") if env.size > 1 else None,
+            env.rank, socket.gethostname(), cfg.run.log_every, cfg.launch.straggler_factor,
+            events, is_main)
+        metrics.fields_of.append(stragglers.fields)
+        hooks = [Hook(stragglers.arrive, 1, "stragglers")]
+        if profiling(cfg.run.profile, env.rank):  # the trace stops right after an update
             hooks.append(Hook(ProfilerHook(cfg.run.profile, run_dir, env.rank, events), 1,
                               "profiler"))
         # before any hook that reads metrics or saves: it stops a non-finite run first
         nonfinite = NonfiniteHook(cfg.train, (cfg.run.log_every, cfg.checkpoint.every,
                                               cfg.checkpoint.persistent_every), events)
-        hooks += [Hook(preemption, 1, "preemption"), Hook(nonfinite, 1, "nonfinite"),
-                  Hook(metrics, cfg.run.log_every, "metrics")]
+        hooks += [Hook(preemption, 1, "preemption"),
+                  Hook(stragglers.depart, 1, "stragglers-depart"),
+                  Hook(nonfinite, 1, "nonfinite"), Hook(metrics, cfg.run.log_every, "metrics")]
         if rt.eval_step is not None and cfg.train.eval_every:
             hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main, preemption),
                               cfg.train.eval_every, "evaluation"))
@@ -259,6 +304,36 @@ class Trainer:
             hooks.append(Hook(PlotsHook(run_dir, events, rt.task, preemption),
                               max(cfg.train.steps, 1), "plots"))
         return hooks
+
+
+OWN_BOUNDS = frozenset({"checkpoint", "profiler"})  # hooks the hang watchdog does not time
+
+
+def failure_line(e: BaseException) -> str:
+    """`Type: message` of an exception, on one line (the message's first line for others)."""
+    if isinstance(e, SpmdError):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def exit_status(e: BaseException) -> int:
+    """The status this process exits with for `e` (as spmd.cli.main gives it)."""
+    if isinstance(e, SpmdError):
+        return int(e.exit_code)
+    if isinstance(e, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED
+    if isinstance(e, SystemExit) and isinstance(e.code, int):
+        return e.code
+    return 1
+
+
+def record_hang(run_dir: Path, events: EventLog, report: HangReport) -> None:
+    """The reporting rank's record of a hang: a `hung` event, and run.dir/HUNG, which
+    `spmd run` and the job scripts read for the job's status (ExitCode.HUNG: requeue)."""
+    events.record("hung", **report.to_dict(), exit_code=int(ExitCode.HUNG))
+    (run_dir / HUNG_FILE_NAME).write_text(json.dumps({"line": report.line(),
+                                                      **report.to_dict()}) + "\n")
 
 
 def use_compilation_cache(path: Path) -> None:

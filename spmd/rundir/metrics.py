@@ -1,10 +1,20 @@
-"""What a run leaves behind: metrics.jsonl, events.jsonl, per-rank logs, rank-0 progress."""
+"""What a run leaves behind: metrics.jsonl, events.jsonl, per-rank logs, rank-0 progress.
+
+Invariants
+- metrics.jsonl holds each step's records once: a run resumed from step S first moves the
+  records of steps after S (logged by the incarnation that died, and about to be logged
+  again) to the sibling metrics.replayed.jsonl (`drop_records_after`), so nothing is lost
+  and a reader sees every step once. Readers still let the last record of a step win.
+- metrics.jsonl is only ever appended to, or replaced whole (`os.replace`), never rewritten
+  in place: a kill at any moment leaves either the old or the new file.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import socket
 import sys
 import time
@@ -85,6 +95,64 @@ class EventLog(JsonlWriter):
         """Write an event without logging it (when the log or the CLI says it already)."""
         self.write({"event": event, "time": time.time(), "rank": self.rank,
                     "host": socket.gethostname(), **fields})
+
+
+def replayed_path(path: Path) -> Path:
+    """Where `drop_records_after` moves the records of `path` it drops: metrics.jsonl ->
+    metrics.replayed.jsonl."""
+    return path.with_name(f"{path.stem}.replayed{path.suffix}")
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Move the records of `path` with a `step` greater than `step` to `replayed_path(path)`.
+
+    Called by rank 0 when a run resumes from `step`, before it writes new records: the steps
+    after it are trained (and logged) again. A line cut short by a kill is moved too (the next
+    record would otherwise be glued onto it). The dropped lines are appended to the replayed
+    file (fsynced) before `path` is replaced atomically by what remains, so a kill in between
+    at worst leaves them in both. Records without a step (or not JSON objects) stay. Returns
+    how many lines were moved; 0 (and `path` untouched) when none were or it does not exist.
+    Call it before a `JsonlWriter` opens `path`: a writer opened earlier would keep appending
+    to the replaced file.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    keep, moved = [], []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            moved.append(line)
+            continue
+        later = (isinstance(record, dict) and isinstance(record.get("step"), int | float)
+                 and record["step"] > step)
+        (moved if later else keep).append(line)
+    if not moved:
+        return 0
+    replayed = replayed_path(path)
+    with open(replayed, "a") as f:
+        f.write("".join(line + "\n" for line in moved))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # a file system that cannot fsync directories: the rename is still atomic
+    return len(moved)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -1,9 +1,10 @@
 """Fault injection for tests: the one place that makes a real run misbehave on purpose.
 
 The multi-process tests need a checkpoint save that stays in flight long enough to kill or
-signal the job in the middle of it, and a rank whose host copy of a snapshot fails. spmd
-itself knows nothing of this: the faults wrap two ordinary methods of the checkpoint layer
-from outside, in the test's child processes only.
+signal the job in the middle of it, a rank whose host copy of a snapshot fails, and a rank
+that is slower than the others at every step. spmd itself knows nothing of this: the faults
+wrap ordinary methods of the checkpoint and data layers from outside, in the test's child
+processes only.
 
 Faults, and the variables that switch them on (the values are compared with the step and
 rank of each save):
@@ -21,6 +22,15 @@ rank of each save):
                                            parallel file system (wraps
                                            `spmd.checkpoint.persistent.PersistentTier.orbax_steps`
                                            with reload=True)
+    SPMD_TEST_SLOW_RANK=RANK:SECONDS       the process whose jax.process_index() is RANK
+                                           sleeps SECONDS in each batch it loads, as a rank
+                                           with a slow host or file system would: a
+                                           straggler (wraps
+                                           `spmd.data.feed.BatchFeed.global_batch`)
+    SPMD_TEST_RAISE=prepare:RANK           RANK's `Task.prepare` raises (wraps the task that
+                                           `spmd.loop.trainer` builds)
+    SPMD_TEST_RAISE=hook:RANK:STEP         a hook of the user's raises on RANK after update
+                                           STEP (appended to `Trainer._hooks`)
 
 How they are switched on: `fault_env(stall="9:120")` returns the environment entries to add
 to a child's environment: the variable, and `tests/helpers/inject/` in front of PYTHONPATH.
@@ -51,24 +61,34 @@ from typing import Any
 STALL = "SPMD_CKPT_TEST_STALL"
 FAIL_HOST_COPY = "SPMD_CKPT_TEST_FAIL_HOST_COPY"
 SLOW_LISTING = "SPMD_CKPT_TEST_SLOW_LISTING"
+SLOW_RANK = "SPMD_TEST_SLOW_RANK"
+RAISE = "SPMD_TEST_RAISE"
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
 
 log = logging.getLogger("spmd.checkpoint")
 
 
 def fault_env(*, stall: str | None = None, fail_host_copy: str | None = None,
-              slow_listing: str | None = None,
+              slow_listing: str | None = None, slow_rank: str | None = None,
+              raise_in: str | None = None,
               environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment entries that switch the named faults on in a child process and its ranks.
 
-    `stall="STEP:SECONDS"`, `fail_host_copy="STEP:RANK"`, `slow_listing="RANK:SECONDS"`.
+    `stall="STEP:SECONDS"`, `fail_host_copy="STEP:RANK"`, `slow_listing="RANK:SECONDS"`,
+    `slow_rank="RANK:SECONDS"`, `raise_in="prepare:RANK"` or `"hook:RANK:STEP"`.
     PYTHONPATH is this process's (`environ`, default os.environ) with the injecting folder in
     front.
     """
     env = {}
+    if raise_in is not None:
+        _raise_spec(raise_in)
+        env[RAISE] = raise_in
     if slow_listing is not None:
         _slow_spec(slow_listing)
         env[SLOW_LISTING] = slow_listing
+    if slow_rank is not None:
+        _rank_seconds(SLOW_RANK, slow_rank)
+        env[SLOW_RANK] = slow_rank
     if stall is not None:
         _stall_spec(stall)
         env[STALL] = stall
@@ -79,6 +99,15 @@ def fault_env(*, stall: str | None = None, fail_host_copy: str | None = None,
         current = (os.environ if environ is None else environ).get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join([str(INJECT_DIR), *([current] if current else [])])
     return env
+
+
+def _raise_spec(spec: str) -> tuple[str, int, int]:
+    where, _, rest = spec.partition(":")
+    rank, _, step = rest.partition(":")
+    if where not in ("prepare", "hook") or not rank.isdigit() or (where == "hook"
+                                                                 and not step.isdigit()):
+        raise ValueError(f"{RAISE}={spec!r} is not prepare:RANK or hook:RANK:STEP")
+    return where, int(rank), int(step or 0)
 
 
 def _stall_spec(spec: str) -> tuple[int, float]:
@@ -96,9 +125,13 @@ def _fail_spec(spec: str) -> tuple[int, int]:
 
 
 def _slow_spec(spec: str) -> tuple[int, float]:
+    return _rank_seconds(SLOW_LISTING, spec)
+
+
+def _rank_seconds(name: str, spec: str) -> tuple[int, float]:
     rank, sep, seconds = spec.partition(":")
     if not sep:
-        raise ValueError(f"{SLOW_LISTING}={spec!r} is not RANK:SECONDS")
+        raise ValueError(f"{name}={spec!r} is not RANK:SECONDS")
     return int(rank), float(seconds)
 
 
@@ -149,6 +182,63 @@ def _patch_slow_listing(module: ModuleType, rank: int, seconds: float) -> None:
     module.PersistentTier.orbax_steps = orbax_steps
 
 
+def _patch_slow_rank(module: ModuleType, rank: int, seconds: float) -> None:
+    """BatchFeed.global_batch sleeps first in the process whose jax.process_index() is `rank`."""
+    original = module.BatchFeed.global_batch
+
+    @functools.wraps(original)
+    def global_batch(self: Any, source: Any, step: int) -> Any:
+        import jax  # imported by the feed's module already: nothing is imported early
+
+        if jax.process_index() == rank:
+            time.sleep(seconds)
+        return original(self, source, step)
+
+    global_batch.fault = SLOW_RANK  # type: ignore[attr-defined]
+    module.BatchFeed.global_batch = global_batch
+
+
+def _patch_raise(module: ModuleType, where: str, rank: int, step: int) -> None:
+    """spmd.loop.trainer: its task's `prepare` raises on `rank` (where="prepare"), or a
+    hook of the user's raises there after update `step` (where="hook")."""
+    import jax  # imported by the trainer's module already: nothing is imported early
+
+    def fail(what: str) -> None:
+        raise RuntimeError(f"{RAISE}: injected in {what} on rank {rank}")
+
+    if where == "prepare":
+        build_task = module.build_task
+
+        @functools.wraps(build_task)
+        def build(cfg: Any) -> Any:
+            task = build_task(cfg)
+            prepare = task.prepare
+
+            def failing_prepare(is_coordinator: bool) -> None:
+                if jax.process_index() == rank:
+                    fail("Task.prepare")
+                prepare(is_coordinator)
+
+            task.prepare = failing_prepare
+            return task
+
+        build.fault = RAISE  # type: ignore[attr-defined]
+        module.build_task = build
+        return
+    hooks_of = module.Trainer._hooks
+
+    @functools.wraps(hooks_of)
+    def hooks(self: Any, *args: Any) -> list:
+        def user_hook(info: Any) -> None:
+            if info.step == step and jax.process_index() == rank:
+                fail(f"a hook of the user's at step {step}")
+
+        return [*hooks_of(self, *args), module.Hook(user_hook, 1, "user")]
+
+    hooks.fault = RAISE  # type: ignore[attr-defined]
+    module.Trainer._hooks = hooks
+
+
 # ------------------------------------------------------------------ installing
 
 
@@ -196,7 +286,16 @@ def install(environ: Mapping[str, str] | None = None) -> list[str]:
         slow_rank, seconds = _slow_spec(environ[SLOW_LISTING])
         patches.setdefault("spmd.checkpoint.persistent", []).append(
             lambda m: _patch_slow_listing(m, slow_rank, seconds))
-    names = [n for n in (STALL, FAIL_HOST_COPY, SLOW_LISTING) if environ.get(n)]
+    if environ.get(SLOW_RANK):
+        late_rank, delay = _rank_seconds(SLOW_RANK, environ[SLOW_RANK])
+        patches.setdefault("spmd.data.feed", []).append(
+            lambda m: _patch_slow_rank(m, late_rank, delay))
+    if environ.get(RAISE):
+        where, fail_rank, fail_step = _raise_spec(environ[RAISE])
+        patches.setdefault("spmd.loop.trainer", []).append(
+            lambda m: _patch_raise(m, where, fail_rank, fail_step))
+    names = [n for n in (STALL, FAIL_HOST_COPY, SLOW_LISTING, SLOW_RANK, RAISE)
+             if environ.get(n)]
     for name in [n for n in patches if n in sys.modules]:
         for patch in patches.pop(name):
             patch(sys.modules[name])

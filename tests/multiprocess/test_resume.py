@@ -82,6 +82,10 @@ def test_kill_9_during_a_save_resumes_bit_identical(reference, tmp_path):
         (0, 6, "local"), (1, 6, "local")}
     assert final_blobs(run_dir, 12) == final_blobs(reference, 12)
     assert last_loss(run_dir) == last_loss(reference)
+    # the steps after 6 that the killed job logged are trained again: each step once
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in lines if "loss" in x]
+    assert steps == sorted(set(steps)) and steps[-1] == 12
 
 
 def test_failed_save_keeps_previous_latest_and_names_rank_and_path(reference, tmp_path):
@@ -90,7 +94,7 @@ def test_failed_save_keeps_previous_latest_and_names_rank_and_path(reference, tm
     blocker = run_dir / "local" / "15" / "rank00001"
     blocker.parent.mkdir(parents=True)
     blocker.write_text("a file where rank 1's step directory must go")
-    failed = train(2, run_dir, *CKPT, "train.steps=18")
+    failed = train(2, run_dir, *CKPT, "train.steps=18", "checkpoint.local_failure=stop")
     assert failed.returncode != 0
     assert "step 15 was not committed to the local tier" in failed.stderr
     assert f"rank 1: writing step 15 to {blocker}" in failed.stderr
@@ -114,7 +118,7 @@ def test_failed_host_copy_on_one_rank_fails_the_step_on_all_at_once(reference, t
     partner exchange, so rank 0 is told at once instead of waiting out checkpoint.timeout_s."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    failed = train(2, run_dir, *CKPT, "train.steps=18",
+    failed = train(2, run_dir, *CKPT, "train.steps=18", "checkpoint.local_failure=stop",
                    **fault_env(fail_host_copy="15:1"))
     assert failed.returncode != 0
     assert "step 15 was not committed to the local tier" in failed.stderr

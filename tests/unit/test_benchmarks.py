@@ -88,3 +88,15 @@ def test_pipeline_bubble_short_reports_the_model_and_1f1b_memory():
     gp, ofob = ([by[(s, m)]["temp_bytes"] for m in (1, 2)] for s in ("gpipe", "1f1b"))
     assert ofob[0] < gp[0] and ofob[1] < gp[1]
     assert ofob[1] - ofob[0] < gp[1] - gp[0]
+
+
+def test_step_overhead_stragglers_short_measures_monitor_and_finite_checks_against_off():
+    """The straggler gather + the non-finite checks against both off, in one process."""
+    proc, record = bench("step_overhead.py", "--short", "--cases", "stragglers")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = record["results"]
+    assert r["case"] == "stragglers" and r["verdict"] is None and r["devices"] == 1
+    assert r["is_finite_ops"]["on"] > r["is_finite_ops"]["off"]   # "off" lacks the checks
+    assert r["on_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
+    assert r["paired_ratio"]["median"] > 0 and r["monitor_us_per_step"] > 0
+    assert "straggler monitor + finite checks" in proc.stdout

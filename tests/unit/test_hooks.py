@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from spmd.api import train
+from spmd.config.schema import Config
 from spmd.errors import ExitCode
 from spmd.loop.builtin_hooks import PreemptionHook
 from spmd.loop.hooks import Hook, StepInfo, Stop
@@ -93,7 +94,8 @@ def test_the_first_stop_of_a_step_makes_it_final_for_the_hooks_after_it():
     hooks = [Hook(recorder("a"), 1, "a"), Hook(recorder("b", Stop("b says")), 1, "b"),
              Hook(recorder("c", Stop("c says", preempted=True)), 1, "c"),
              Hook(recorder("d"), 7, "d")]
-    info, stopped = Trainer._after_update(StepInfo(step=2, state=None, metrics={}), hooks)
+    info, stopped = Trainer(Config())._after_update(StepInfo(step=2, state=None, metrics={}),
+                                                    hooks)
     assert calls == [("a", False), ("b", False), ("c", True), ("d", True)]
     assert info.final and info.step == 2
     assert stopped is not None and stopped.hook == "b" and stopped.request == Stop("b says")

@@ -1,0 +1,162 @@
+"""Run health with real ranks under `spmd run -n 2` (2 ranks x 1 CPU device, the tiny MLP):
+an error on one rank ends every rank at once and is shown; a stopped rank is named by the
+hang watchdog and the job exits HUNG; SIGTERM to `spmd run` ends even a stuck rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.checkpoint_worker import (
+    REPO,
+    _env,
+    kill_tagged,
+    tagged_pids,
+    train,
+    train_cmd,
+    wait_for,
+)
+from tests.helpers.env import run_spmd
+from tests.helpers.fault_injection import fault_env
+
+pytestmark = pytest.mark.slow
+
+LONG = ("train.steps=100000", "checkpoint.every=10", "checkpoint.keep=2", "run.log_every=10")
+
+
+def rank_pid(tag: str, rank: int) -> int:
+    """The pid of rank `rank` of the tagged job (not its shim, not mpiexec)."""
+    for pid in tagged_pids(tag):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd[1:4] == [b"-m", b"spmd.cli", b"train"] and f"PMI_RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} among the processes tagged {tag}")
+
+
+def latest_local(run_dir: Path) -> int | None:
+    listing = json.loads(run_spmd("ckpt", "ls", str(run_dir), "--json").stdout)
+    return listing["latest"]["local"]
+
+
+def committed(run_dir: Path, step: int) -> bool:
+    """Whether both ranks have committed a local step >= `step`."""
+    steps = [int(p.parent.parent.name) for p in (run_dir / "local").glob("*/rank*/COMMITTED")
+             if p.parent.parent.name.isdigit()]
+    return any(steps.count(s) == 2 for s in steps if s >= step)
+
+
+def start(run_dir: Path, tag: str, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(train_cmd(2, run_dir, *LONG, *overrides), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=_env(1, SPMD_TEST_TAG=tag))
+
+
+@pytest.mark.parametrize("fault, failed, other", [
+    ("prepare:0", "rank 0 on", 1),      # before training: rank 1 waits for the prepared data
+    ("hook:1:3", "rank 1 on", 0),       # during training, in a hook of the user's
+], ids=["prepare-on-rank-0", "user-hook-on-rank-1"])
+def test_an_error_on_one_rank_ends_every_rank_at_once_and_is_shown(tmp_path, fault, failed,
+                                                                   other):
+    run_dir = tmp_path / "run"
+    began = time.monotonic()
+    proc = train(2, run_dir, "train.steps=20", devices=1, timeout=120,
+                 **fault_env(raise_in=fault))
+    seconds = time.monotonic() - began
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert seconds < 30, f"{seconds:.0f} s"
+    message = f"{failed} {_host()} failed: RuntimeError: SPMD_TEST_RAISE: injected in"
+    assert message in proc.stderr                           # shown in spmd run's output
+    assert f"ending rank {other} on" in proc.stderr        # the other rank names it and ends
+    for bad in ("Terminating process", "Barrier timed out", "DEADLINE_EXCEEDED", "EnforceNotMet"):
+        assert bad not in proc.stderr + proc.stdout
+    failed_rank = 1 - other
+    own = (run_dir / "logs" / f"rank{failed_rank:05d}.log").read_text()
+    assert message in own and "Traceback (most recent call last)" in own
+    peer = (run_dir / "logs" / f"rank{other:05d}.log").read_text()
+    assert f"rank {failed_rank} on {_host()} failed (RuntimeError); ending rank {other}" in peer
+
+
+def test_a_stopped_rank_is_named_the_job_exits_hung_and_a_rerun_resumes_bit_identical(
+        tmp_path):
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(run_dir, tag, "launch.step_timeout_s=4")
+    try:
+        wait_for(lambda: committed(run_dir, 20), 120, "local step 20", proc)
+        stopped_at = time.monotonic()
+        rank1 = rank_pid(tag, 1)
+        os.kill(rank1, signal.SIGSTOP)
+        out, err = proc.communicate(timeout=4 + 60)
+        seconds = time.monotonic() - stopped_at
+        left = leftovers(tag)
+    finally:
+        kill_tagged(tag)
+    assert proc.returncode == 76, err[-3000:]                  # ExitCode.HUNG
+    assert seconds < 4 + 30, f"{seconds:.0f} s"
+    assert "ranks that did not reach step" in err and "rank 1: no answer" in err
+    assert f"killed rank 1 (pid {rank1}" in err
+    hung = json.loads((run_dir / "HUNG").read_text())
+    assert hung["stuck"] == {"1": "no answer (stopped, dead, or stuck outside Python)"}
+    log0 = (run_dir / "logs" / "rank00000.log").read_text()
+    assert "no training step completed for" in log0 and "Current thread" in log0  # stacks
+    assert not left
+
+    last = latest_local(run_dir)
+    assert last is not None and last >= 20
+    end = last + 10
+    resumed = train(2, run_dir, *LONG, f"train.steps={end}", devices=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = tmp_path / "reference"
+    whole = train(2, reference, *LONG, f"train.steps={end}", devices=1)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert blobs(run_dir, end) == blobs(reference, end)
+
+
+def test_sigterm_to_spmd_run_ends_a_stuck_rank_within_the_save_timeout_and_30_s(tmp_path):
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(run_dir, tag, "launch.step_timeout_s=0", "checkpoint.timeout_s=2")
+    try:
+        wait_for(lambda: committed(run_dir, 10), 120, "local step 10", proc)
+        os.kill(rank_pid(tag, 1), signal.SIGSTOP)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=2 + 30 + 30)
+        seconds = time.monotonic() - sent
+        left = leftovers(tag)
+    finally:
+        kill_tagged(tag)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert seconds < 2 + 30 + 10, f"{seconds:.0f} s"
+    assert "did not stop within 32 s of SIGTERM" in err
+    assert not left
+
+
+def leftovers(tag: str, within_s: float = 10) -> list[int]:
+    """The tagged job's processes still alive `within_s` after the job's launcher ended."""
+    deadline = time.time() + within_s
+    while tagged_pids(tag) and time.time() < deadline:
+        time.sleep(0.1)
+    return tagged_pids(tag)
+
+
+def blobs(run_dir: Path, step: int) -> dict[str, bytes]:
+    return {p.parent.name: p.read_bytes()
+            for p in sorted((run_dir / "local" / str(step)).glob("rank?????/shards.bin"))}
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
