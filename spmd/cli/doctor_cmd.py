@@ -72,7 +72,29 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         report["jax"] = _jax_report()
     report["launch_config"] = launch_cfg.model_dump()
     report["problems"] = problems
+    report["notes"] = _mpi_notes(env.launcher)
     return report
+
+
+OPEN_MPI_NOTE = (
+    "Open MPI: mpirun SIGKILLs the ranks 1 s after it passes on a SIGTERM "
+    "(odls_base_sigkill_timeout), too soon for a preemption save, and exits 1. With a bare "
+    "mpirun, pass `--mca odls_base_sigkill_timeout S` (S = checkpoint.timeout_s + 30) and "
+    "preempt with SIGUSR1 (forwarded; the ranks save and exit 75). `spmd run` does both "
+    "(SPMD_MPIEXEC=mpirun selects it).")
+
+
+def _mpi_notes(launcher: str) -> list[str]:
+    """What a user of this MPI's own launcher must know (the launcher `spmd run` would use,
+    or the one that started this rank)."""
+    from spmd.cli.run_cmd import find_mpiexec, mpi_flavor
+    from spmd.errors import SpmdError
+
+    try:
+        flavor = mpi_flavor(find_mpiexec())
+    except SpmdError:
+        flavor = None
+    return [OPEN_MPI_NOTE] if "openmpi" in (launcher, flavor) else []
 
 
 def _human(report: dict[str, Any]) -> str:
@@ -99,6 +121,7 @@ def _human(report: dict[str, Any]) -> str:
                      f"{j['process_count']}, {j['device_count']} devices, "
                      f"local {j['local_devices']}")
     lines += [f"  problem: {problem}" for problem in report["problems"]]
+    lines += [f"  note: {note}" for note in report.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 

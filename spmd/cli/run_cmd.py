@@ -21,6 +21,7 @@ at the end, one per line, after Hydra's own report.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from spmd.errors import ExitCode, SpmdError
 from spmd.launch import rank_shim
 from spmd.launch.watchdog import launcher_environ
 
+MPIEXEC_VAR = "SPMD_MPIEXEC"   # the launcher to use instead of the embedded MPI's mpiexec
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 ENDING = (signal.SIGTERM, signal.SIGINT)   # the ranks save and stop, or are killed
 KILL_AFTER_S = 30.0      # after checkpoint.timeout_s, for ranks that do not end on a signal
@@ -64,7 +66,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def find_mpiexec() -> Path:
-    """mpiexec next to this Python (a venv with the mpich wheel), else on PATH."""
+    """$SPMD_MPIEXEC (a path, or a name on PATH: another MPI's launcher, e.g. Open MPI's
+    mpirun), else mpiexec next to this Python (a venv with the mpich wheel), else on PATH."""
+    chosen = os.environ.get(MPIEXEC_VAR, "").strip()
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise SpmdError(f"{MPIEXEC_VAR}={chosen}: no such executable (give a path, or a "
+                            "name on PATH, of your MPI's mpiexec or mpirun)")
+        return Path(found)
     here = Path(sys.executable).parent / "mpiexec"
     if here.is_file() and os.access(here, os.X_OK):
         return here
@@ -76,8 +86,9 @@ def find_mpiexec() -> Path:
                     "(the mpich wheel), or load your site's MPI module")
 
 
-def flavor_args(mpiexec: Path) -> list[str]:
-    """Options that keep a local job on this machine for the MPI at hand."""
+@functools.lru_cache(maxsize=8)
+def mpi_flavor(mpiexec: Path) -> str:
+    """"hydra" (MPICH, Intel MPI), "openmpi", or "other", from `mpiexec --version`."""
     try:
         out = subprocess.run([str(mpiexec), "--version"], capture_output=True, text=True,
                              timeout=20)
@@ -85,11 +96,33 @@ def flavor_args(mpiexec: Path) -> list[str]:
     except (OSError, subprocess.SubprocessError) as e:
         raise SpmdError(f"{mpiexec} --version failed ({e}); is this MPI installed correctly?"
                         ) from None
-    if "HYDRA" in version:  # MPICH / Intel MPI: fork locally, never via srun or ssh
+    if "HYDRA" in version:
+        return "hydra"
+    if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
+        return "openmpi"
+    return "other"
+
+
+def flavor_args(mpiexec: Path, save_s: float = 0.0) -> list[str]:
+    """Options that keep a local job on this machine for the MPI at hand.
+
+    `save_s` (checkpoint.timeout_s): Open MPI's mpirun SIGKILLs the ranks 1 s after it
+    forwards a SIGTERM (odls_base_sigkill_timeout), too soon for a preemption save; it is
+    given the save's time plus KILL_AFTER_S. Run as root, Open MPI wants --allow-run-as-root.
+    """
+    flavor = mpi_flavor(mpiexec)
+    if flavor == "hydra":  # MPICH / Intel MPI: fork locally, never via srun or ssh
         # the ranks' watchdogs end the survivors of a lost rank themselves, naming it
         return ["-launcher", "fork", "-disable-auto-cleanup"]
-    if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
-        return ["--oversubscribe", "--bind-to", "none"]
+    if flavor == "openmpi":
+        grace = int(save_s + KILL_AFTER_S) if save_s else None
+        # as Hydra's -disable-auto-cleanup: a rank that exits non-zero (75 after a save)
+        # does not make mpirun kill the others, which may still be finishing theirs
+        return ["--oversubscribe", "--bind-to", "none",
+                "--mca", "orte_abort_on_non_zero_status", "0",
+                *(["--mca", "odls_base_sigkill_timeout", str(grace)] if grace else []),
+                *(["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0
+                  else [])]
     return []
 
 
@@ -134,6 +167,32 @@ def kill_job(proc: subprocess.Popen) -> None:
         pass
 
 
+def file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def preempted_ranks(run_dir: Path, offset: int) -> int:
+    """How many ranks recorded a `preempted` stop in events.jsonl past byte `offset`."""
+    try:
+        with open(run_dir / "events.jsonl", "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return 0
+    ranks = set()
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "preempted":
+            ranks.add(event.get("rank"))
+    return len(ranks)
+
+
 def hang_line(run_dir: Path, since: float) -> str | None:
     """The hang report the ranks left in run.dir during this job (spmd.loop.trainer)."""
     path = run_dir / HUNG_FILE_NAME
@@ -173,12 +232,18 @@ def run(args: argparse.Namespace) -> int:
     run_dir, save_s = (check_lease(args.config, args.overrides) if args.entry == "train"
                        else (None, DEFAULT_SAVE_S))
     before = log_sizes(run_dir) if run_dir is not None else {}
+    events_before = file_size(run_dir / "events.jsonl") if run_dir is not None else 0
     started = time.time()
+    # Open MPI's mpirun aborts the job on SIGTERM/SIGINT (the ranks are killed after
+    # odls_base_sigkill_timeout and it exits 1); SIGUSR1 it forwards, and the ranks save and
+    # stop on it just the same (spmd.launch.preemption)
+    as_sent = ({signal.SIGTERM: signal.SIGUSR1, signal.SIGINT: signal.SIGUSR1}
+               if mpi_flavor(mpiexec) == "openmpi" else {})
     # each rank behind a shim: Hydra then sees its exit code, not a death by signal, and
     # leaves the other ranks alive to name the lost one (see launch/rank_shim.py)
     rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
                 *(["--debug"] if args.debug else []), args.entry, args.config, *args.overrides]
-    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec), *rank_cmd]
+    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, save_s), *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
     on_linux = sys.platform == "linux"
@@ -198,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             ending.setdefault("signal", float(signum))
             ending.setdefault("deadline", time.monotonic() + save_s + KILL_AFTER_S)
         try:
-            os.killpg(proc.pid, signum)
+            os.killpg(proc.pid, as_sent.get(signum, signum))
         except ProcessLookupError:
             pass
 
@@ -231,6 +296,10 @@ def run(args: argparse.Namespace) -> int:
     if code != 0 and run_dir is not None and (line := hang_line(run_dir, started)):
         print(f"spmd run: {line}", file=sys.stderr, flush=True)
         return ExitCode.HUNG
+    if (code != ExitCode.PREEMPTED and run_dir is not None
+            and preempted_ranks(run_dir, events_before) >= args.n):
+        # every rank saved and stopped; Open MPI's mpirun, which ORs nothing, says 0 or 1
+        return ExitCode.PREEMPTED
     if code != 0 and run_dir is not None and (errors := error_lines(run_dir, before)):
         print(f"spmd run: the ranks' errors (from {run_dir / 'logs'}):", file=sys.stderr)
         for line in errors:

@@ -43,6 +43,7 @@ ACK_PREFIX = "spmd/job/failed-ack/"
 EXIT_PREFIX = "spmd/job/exiting/"
 ACK_WAIT_S = 5.0
 LAST_WAIT_S = 5.0
+STOP_WAIT_S = 5.0
 POLL_S = 10.0
 
 log = logging.getLogger("spmd.comm.job_failure")
@@ -151,11 +152,16 @@ class FailureWatch:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """No more watching. Left running through jax.distributed.shutdown, whose barrier
-        a failed rank never reaches: the failure still ends this rank (the shutdown cancels
-        the pending read once every rank is there)."""
+    def stop(self, wait: bool = True) -> None:
+        """No more watching: called after jax.distributed.shutdown, which a failed rank
+        never reaches, so that a failure still ends this rank during it (the shutdown cancels
+        the pending read once every rank is there). `wait`: join the thread (a rank that ends
+        with os._exit need not)."""
         self._stopped.set()
+        if wait and self._thread is not None:
+            # the read that jax.distributed.shutdown cancelled returns at once; a thread still
+            # inside the client's C++ when Python finalizes would abort the process
+            self._thread.join(STOP_WAIT_S)
 
     def _run(self) -> None:
         client = kv_client()

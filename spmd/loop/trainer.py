@@ -133,7 +133,7 @@ class Trainer:
                 # all ranks, which a failed job skips (the CLI ends the failed rank at once);
                 # a failure announced meanwhile still ends this rank (FailureWatch)
                 shutdown()
-            failures.stop()
+            failures.stop(wait=not failed)
             if lease is not None:
                 lease.release()  # finished, preempted (75) or failed: every rank is done
             if events is not None:

@@ -82,6 +82,19 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
     return [e for e in out if name is None or e["event"] == name]
 
 
+def committed_by_all(run_dir: Path, step: int, ranks: int = 2) -> bool:
+    """Whether every rank has committed a local-tier step >= `step`."""
+    steps = [int(p.parent.parent.name) for p in (run_dir / "local").glob("*/rank*/COMMITTED")
+             if p.parent.parent.name.isdigit()]
+    return any(steps.count(s) == ranks for s in steps if s >= step)
+
+
+def step_blobs(run_dir: Path, step: int) -> dict[str, bytes]:
+    """Every rank's local-tier blob of `step` (the whole state, packed): equal bit for bit."""
+    return {p.parent.name: p.read_bytes()
+            for p in sorted((run_dir / "local" / str(step)).glob("rank?????/shards.bin"))}
+
+
 def tagged_pids(tag: str) -> list[int]:
     """Processes whose environment carries SPMD_TEST_TAG=tag (the job's ranks, mpiexec...)."""
     pids = []

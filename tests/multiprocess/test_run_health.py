@@ -18,7 +18,9 @@ import pytest
 from tests.helpers.checkpoint_worker import (
     REPO,
     _env,
+    committed_by_all,
     kill_tagged,
+    step_blobs,
     tagged_pids,
     train,
     train_cmd,
@@ -48,13 +50,6 @@ def rank_pid(tag: str, rank: int) -> int:
 def latest_local(run_dir: Path) -> int | None:
     listing = json.loads(run_spmd("ckpt", "ls", str(run_dir), "--json").stdout)
     return listing["latest"]["local"]
-
-
-def committed(run_dir: Path, step: int) -> bool:
-    """Whether both ranks have committed a local step >= `step`."""
-    steps = [int(p.parent.parent.name) for p in (run_dir / "local").glob("*/rank*/COMMITTED")
-             if p.parent.parent.name.isdigit()]
-    return any(steps.count(s) == 2 for s in steps if s >= step)
 
 
 def start(run_dir: Path, tag: str, *overrides: str) -> subprocess.Popen:
@@ -93,7 +88,7 @@ def test_a_stopped_rank_is_named_the_job_exits_hung_and_a_rerun_resumes_bit_iden
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(run_dir, tag, "launch.step_timeout_s=4")
     try:
-        wait_for(lambda: committed(run_dir, 20), 120, "local step 20", proc)
+        wait_for(lambda: committed_by_all(run_dir, 20), 120, "local step 20", proc)
         stopped_at = time.monotonic()
         rank1 = rank_pid(tag, 1)
         os.kill(rank1, signal.SIGSTOP)
@@ -120,14 +115,14 @@ def test_a_stopped_rank_is_named_the_job_exits_hung_and_a_rerun_resumes_bit_iden
     reference = tmp_path / "reference"
     whole = train(2, reference, *LONG, f"train.steps={end}", devices=1)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert blobs(run_dir, end) == blobs(reference, end)
+    assert step_blobs(run_dir, end) == step_blobs(reference, end)
 
 
 def test_sigterm_to_spmd_run_ends_a_stuck_rank_within_the_save_timeout_and_30_s(tmp_path):
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(run_dir, tag, "launch.step_timeout_s=0", "checkpoint.timeout_s=2")
     try:
-        wait_for(lambda: committed(run_dir, 10), 120, "local step 10", proc)
+        wait_for(lambda: committed_by_all(run_dir, 10), 120, "local step 10", proc)
         os.kill(rank_pid(tag, 1), signal.SIGSTOP)
         time.sleep(0.5)
         sent = time.monotonic()
@@ -151,12 +146,26 @@ def leftovers(tag: str, within_s: float = 10) -> list[int]:
     return tagged_pids(tag)
 
 
-def blobs(run_dir: Path, step: int) -> dict[str, bytes]:
-    return {p.parent.name: p.read_bytes()
-            for p in sorted((run_dir / "local" / str(step)).glob("rank?????/shards.bin"))}
-
-
 def _host() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def test_kill_9_of_mpiexec_is_named_by_spmd_run_and_no_rank_survives(tmp_path):
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(run_dir, tag, "launch.step_timeout_s=0")
+    try:
+        wait_for(lambda: committed_by_all(run_dir, 10), 120, "local step 10", proc)
+        (mpiexec,) = [pid for pid in tagged_pids(tag)
+                      if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+                      .endswith(b"mpiexec")]
+        os.kill(mpiexec, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        left = leftovers(tag)
+    finally:
+        kill_tagged(tag)
+    assert f"mpiexec (pid {mpiexec}) was killed by SIGKILL" in err, err[-3000:]
+    assert "resume from the last committed checkpoint" in err
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert not left

@@ -304,6 +304,9 @@ info = {"pid": os.getpid(), "halt_at_start": halt.exists(),
 mode = os.environ.get("FAKE_MODE", "wait")
 if info["restart"] and int(info["restart"]) >= 1:
     mode = "exit:0"  # a requeued run finishes at once
+if mode == "hung":  # as the hang watchdog's reporter: run.dir/HUNG, and statuses mixed
+    (Path(os.environ["FAKE_RUN_DIR"]) / "HUNG").write_text(json.dumps({"line": "hang: ..."}))
+    sys.exit(205)
 if mode.startswith("exit:"):
     sys.exit(int(mode[5:]))
 deadline = time.time() + float(os.environ.get("FAKE_WAIT_S", "30"))
@@ -421,6 +424,27 @@ def test_warning_is_forwarded_and_job_requeued(system, tmp_path):
     if system == "polaris":
         assert info["CUDA_VISIBLE_DEVICES"] == "2"  # 4 - 1 - local rank 1
         assert any(c.startswith("mpiexec -n 4 -ppn 4") for c in h.calls())
+
+
+@pytest.mark.parametrize("system", ["slurm", "summit"])
+def test_hung_ranks_are_requeued_as_after_a_failed_node(system, tmp_path):
+    h = make_harness(tmp_path, system)
+    code, out = h.finish(h.start(FAKE_MODE="hung"))
+    assert code == 0, out                       # requeued
+    assert "ranks hung" in out and "hang: ..." in out
+    assert [c for c in h.calls() if c.startswith(REQUEUE[system])], h.calls()
+    h.log.unlink()
+    code, out = h.finish(h.start(FAKE_MODE="hung", STUB_RC_scontrol="1", STUB_RC_brequeue="1"))
+    assert code == int(ExitCode.HUNG), out      # could not requeue: the job says why it ended
+
+
+def test_a_hang_report_of_an_earlier_job_is_not_this_job_s(tmp_path):
+    h = make_harness(tmp_path, "slurm")
+    h.run_dir.mkdir(parents=True, exist_ok=True)
+    (h.run_dir / "HUNG").write_text("{}")
+    code, out = h.finish(h.start(FAKE_MODE="exit:3"))
+    assert code == 3, out
+    assert not any(c.startswith("scontrol") for c in h.calls()), h.calls()
 
 
 def test_slurm_cancel_saves_but_does_not_requeue(tmp_path):
