@@ -138,6 +138,8 @@ def _loop(interval_s: float) -> None:
                 if mark is not None and mark.exists():  # it exited cleanly
                     _watched.pop(key, None)
                     continue
+                if key not in _watched:  # disarmed meanwhile: this rank ends on purpose
+                    continue
                 _end(line)
 
 

@@ -105,6 +105,9 @@ def end_process(status: int, env: LaunchEnv | None = None) -> None:
     first; rank 0 waits at most `LAST_WAIT_S` for those posts and for its local peers to be
     gone.
     """
+    # this rank ends on purpose, with the job's status: a peer that ends first must not make
+    # the lost-rank watchdog end it with another status (ORPHANED) and a misleading line
+    watchdog.disarm_peers()
     env = env if env is not None else (_job[0] if _job else None)
     if env is not None and env.size > 1 and (client := kv_client()) is not None:
         if env.rank != 0:
