@@ -331,20 +331,26 @@ def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: i
     acc = EventAccumulator(str(root / "tensorboard" / "tensorboard"))
     acc.Reload()
     logged = len(acc.Scalars("loss"))
+    return {**paired_result("tensorboard", "tensorboard", times, steps, reps, rt, cfg),
+            "scalars_logged_per_tag": logged}
+
+
+def paired_result(case: str, on: str, times: dict, steps: int, reps: int, rt, cfg) -> dict:
+    """A case's record: per-step times of `on` and "off" (ms), their paired ratio with its
+    95% CI, and the time `on` adds (us), from `interleaved`'s per-repetition times."""
     per_step = {k: [x / steps for x in v] for k, v in times.items()}
-    ratio_values = paired_ratios(per_step["tensorboard"], per_step["off"])
+    ratio_values = paired_ratios(per_step[on], per_step["off"])
     m = cfg.model
     return {
-        "case": "tensorboard", "devices": rt.mesh.size, "steps_per_rep": steps, "reps": reps,
+        "case": case, "devices": rt.mesh.size, "steps_per_rep": steps, "reps": reps,
         "model": f"L={m.num_layers} d={m.d_model} ff={m.d_ff} T={m.seq_len} V={m.vocab_size} "
                  f"B={cfg.train.batch_size}",
         "off_ms": Stats.of(per_step["off"]).scaled(1e3).as_dict(4),
-        "tensorboard_ms": Stats.of(per_step["tensorboard"]).scaled(1e3).as_dict(4),
+        f"{on}_ms": Stats.of(per_step[on]).scaled(1e3).as_dict(4),
         "paired_ratio": Stats.of(ratio_values).as_dict(4),
         "paired_ratio_ci95": [round(x, 4) for x in median_ci(ratio_values)],
-        "added_us": Stats.of(paired_differences(per_step["tensorboard"], per_step["off"]))
+        "added_us": Stats.of(paired_differences(per_step[on], per_step["off"]))
         .scaled(1e6).as_dict(1),
-        "scalars_logged_per_tag": logged,
     }
 
 
@@ -467,22 +473,9 @@ def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
         alone.depart(info)
     monitor_us = (time.perf_counter() - began) / n * 1e6
 
-    per_step = {k: [x / steps for x in v] for k, v in times.items()}
-    ratio_values = paired_ratios(per_step["on"], per_step["off"])
-    m = cfg.model
-    return {
-        "case": "stragglers", "devices": rt.mesh.size, "steps_per_rep": steps, "reps": reps,
-        "model": f"L={m.num_layers} d={m.d_model} ff={m.d_ff} T={m.seq_len} V={m.vocab_size} "
-                 f"B={cfg.train.batch_size}",
-        "gather_channel": channel, "is_finite_ops": is_finite_ops,
-        "off_ms": Stats.of(per_step["off"]).scaled(1e3).as_dict(4),
-        "on_ms": Stats.of(per_step["on"]).scaled(1e3).as_dict(4),
-        "paired_ratio": Stats.of(ratio_values).as_dict(4),
-        "paired_ratio_ci95": [round(x, 4) for x in median_ci(ratio_values)],
-        "added_us": Stats.of(paired_differences(per_step["on"], per_step["off"]))
-        .scaled(1e6).as_dict(1),
-        "monitor_us_per_step": round(monitor_us, 2),
-    }
+    return {**paired_result("stragglers", "on", times, steps, reps, rt, cfg),
+            "gather_channel": channel, "is_finite_ops": is_finite_ops,
+            "monitor_us_per_step": round(monitor_us, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
