@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers.checkpoint_worker import _env, events, kill_tagged, train_cmd
 from tests.helpers.env import REPO, require, run_spmd
+from tests.helpers.fault_injection import fault_env
 from tests.helpers.records import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -66,10 +67,11 @@ def test_profile_trace_and_tensorboard_of_a_two_rank_run(tmp_path):
         [metrics[s]["loss"] for s in range(1, 9)])
 
 
-def start(run_dir: Path, tag: str, *overrides: str) -> subprocess.Popen:
+def start(run_dir: Path, tag: str, *overrides: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen(train_cmd(2, run_dir, "checkpoint.every=5", *overrides),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, start_new_session=True, env=_env(2, SPMD_TEST_TAG=tag))
+                            cwd=REPO, start_new_session=True,
+                            env=_env(2, SPMD_TEST_TAG=tag, **env))
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -112,11 +114,14 @@ def test_report_over_two_preemptions_a_kill_9_and_a_rerun(tmp_path):
 
     tag = uuid.uuid4().hex
     saves_before = len(events(run_dir, "saved"))
-    proc = start(run_dir, tag, long)
+    # Steps of at least 0.3 s (rank 0 loads its batches slowly), so that the kill lands between
+    # two saves (every 5 steps) and not just after one: some steps are lost.
+    proc = start(run_dir, tag, long, **fault_env(slow_rank="0:0.3"))
     try:   # a commit in this job, then a few steps past it, then kill -9 every process
         wait_until(lambda: len(events(run_dir, "saved")) > saves_before, proc, "a commit")
         committed = events(run_dir, "saved")[-1]["step"]
-        wait_until(lambda: train_steps(run_dir)[-1] >= committed + 3, proc, "steps after it")
+        wait_until(lambda: (last := train_steps(run_dir)[-1]) >= committed + 3 and last % 5 >= 2,
+                   proc, "steps after it, halfway to the next save")
         assert kill_tagged(tag) >= 3   # the launcher, mpiexec and the ranks
     finally:
         kill_tagged(tag)
