@@ -39,14 +39,14 @@ def run(args: argparse.Namespace) -> int:
 
         devices = jax.devices()
 
+    from spmd.engine.axis_rules import axis_rules
     from spmd.engine.mesh import build_mesh
     from spmd.engine.pipeline_checks import check_pipeline, stage_summary
     from spmd.engine.state import model_layout
-    from spmd.sharding import rules_for
 
     mesh = build_mesh(cfg.mesh, devices)
-    rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
     task = build_task(cfg)
+    rules = axis_rules(cfg.mesh, task)
     schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
     report = model_layout(task, cfg.train.seed, rules, mesh).report
     stages = stage_summary(report, rules, mesh, schedule)

@@ -67,6 +67,16 @@ class MeshConfig(_Section):
     axes: dict[str, int] = Field(default_factory=dict)
     # Single-entry overrides of the preset's rule table: logical -> axis | [axes] | null.
     rules: dict[str, str | list[str] | None] = Field(default_factory=dict)
+    # Mesh axis names used by a task's own (Flax-style) logical-axis rules -> spmd's mesh
+    # axes, e.g. {model: tensor}; null replicates what the task put on that axis.
+    axis_aliases: dict[str, str | list[str] | None] = Field(default_factory=dict)
+    # FSDP for any model: under a strategy with an fsdp axis, a parameter of at least this many
+    # bytes that no rule puts on fsdp is split along its largest dimension the fsdp ways
+    # divide; smaller ones stay replicated. null: only the rules shard over fsdp.
+    fsdp_min_bytes: int | None = Field(2**20, ge=0)
+    # A parameter of at least this many bytes left whole on every device by a sharding
+    # strategy is named in a warning (with the rule to change). null: no warning.
+    warn_replicated_bytes: int | None = Field(2**20, ge=0)
     max_replicated_fraction: float | None = Field(None, ge=0.0, le=1.0)
 
 

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.data.feed import BatchFeed
+from spmd.engine.axis_rules import axis_rules
 from spmd.engine.pipeline_checks import check_pipeline
 from spmd.engine.state import (
     ModelLayout,
@@ -23,7 +24,7 @@ from spmd.engine.state import (
     state_layout,
 )
 from spmd.engine.step import make_eval_step, make_sample_step, make_train_step
-from spmd.sharding import RuleTable, rules_for
+from spmd.sharding import RuleTable
 from spmd.sharding.pipeline import PipelineSchedule
 from spmd.tasks import Task
 
@@ -64,7 +65,7 @@ class Runtime:
 def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     """Resolve every sharding (failing early with precise errors) and build the jitted steps."""
     task = task or build_task(cfg)
-    rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
+    rules = axis_rules(cfg.mesh, task)
     tx = make_optimizer(cfg.train)
     schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
     model = model_layout(task, cfg.train.seed, rules, mesh)

@@ -79,7 +79,8 @@ class ModelLayout:
 
 def model_layout(task: Task, seed: int, rules: RuleTable, mesh: Mesh) -> ModelLayout:
     """Trace the model's construction abstractly and resolve every parameter's sharding."""
-    abstract_model = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(seed)))
+    with nnx.use_eager_sharding(False):   # Flax-annotated models: spmd places the arrays
+        abstract_model = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(seed)))
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     report = ShardingReport(dict(mesh.shape), resolve_params(abstract_params, rules, mesh))
     return ModelLayout(graphdef, abstract_params, report)
@@ -123,7 +124,8 @@ def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
     their shardings."""
 
     def init() -> TrainState:
-        model = task.build_model(nnx.Rngs(seed))
+        with nnx.use_eager_sharding(False):   # out_shardings place the arrays
+            model = task.build_model(nnx.Rngs(seed))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(params))

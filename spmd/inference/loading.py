@@ -31,11 +31,12 @@ from spmd.checkpoint.params_reader import (
 from spmd.checkpoint.policy import tier_dirs
 from spmd.config.load import build_task, load_config
 from spmd.config.schema import Config
+from spmd.engine.axis_rules import axis_rules
 from spmd.engine.mesh import build_mesh
 from spmd.engine.state import ModelLayout, model_layout
 from spmd.errors import SpmdError
 from spmd.launch import LaunchEnv, bootstrap, shutdown
-from spmd.sharding import MESH_AXES, RuleTable, rules_for, state_shardings
+from spmd.sharding import MESH_AXES, RuleTable, state_shardings
 from spmd.tasks import Task
 
 log = logging.getLogger("spmd.inference")
@@ -139,7 +140,7 @@ def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
     ckpt = find_checkpoint(where, cfg, step)
     task = build_task(cfg)
     mesh = mesh if mesh is not None else single_device_mesh()
-    rules = rules_for(cfg.mesh.strategy, cfg.mesh.rules)
+    rules = axis_rules(cfg.mesh, task)
     layout = model_layout(task, cfg.train.seed, rules, mesh)
     shardings = nnx.to_pure_dict(state_shardings(layout.abstract_params, rules, mesh))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
