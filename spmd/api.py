@@ -11,6 +11,7 @@ from pathlib import Path
 
 from spmd.config.load import config_from_dict, load_config, task_class, with_overrides
 from spmd.config.schema import Config
+from spmd.errors import ConfigError
 from spmd.loop.hooks import Hook, HookFn
 from spmd.tasks import Task
 
@@ -39,7 +40,11 @@ def train(config: Config | str | Path | dict | None = None, task: type[Task] | T
     Under srun/mpiexec every rank calls this; alone it runs as one process.
     """
     from spmd.loop.trainer import Trainer
+    from spmd.tasks.registry import importing_task
 
+    if (resolving := importing_task()) is not None:
+        raise ConfigError(f"task: importing '{resolving}' called spmd.train again; guard the "
+                          f"script's call with if __name__ == \"__main__\":")
     instance = task if isinstance(task, Task) else None
     task_cls = type(task) if instance is not None else task
     cfg = as_config(config, overrides, task_cls)
