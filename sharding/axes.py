@@ -13,3 +13,7 @@ LOGICAL_AXES: tuple[str, ...] = (
 
 # Activation rules are looked up under this prefix first, then the plain name.
 ACTIVATION_PREFIX = "activation_"
+
+# Mesh axes that parameters may be split over (data and context split only batches and
+# sequences): a parameter left whole while one of them is larger than 1 is replicated there.
+PARAM_MESH_AXES: tuple[str, ...] = ("stage", "fsdp", "tensor", "expert")

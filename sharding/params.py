@@ -1,4 +1,11 @@
-"""Resolve a whole parameter tree (an nnx.State of Variables) to shardings."""
+"""Resolve a whole parameter tree (an nnx.State of Variables) to shardings.
+
+Each parameter's logical axes come from `with_axes` or Flax's `nnx.with_partitioning`
+(`annotate.annotated_axes`), go through the rule table (`resolve.logical_to_spec`), and then,
+when the mesh has an `fsdp` axis and the table an `fsdp_min_bytes`, through auto-FSDP
+(`fsdp.auto_fsdp_dim`). `resolve_param` is the one place that does this, for the report, the
+train state, the optimizer moments and restore targets alike.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd.sharding.annotate import LOGICAL_AXES_KEY
+from spmd.sharding.annotate import annotated_axes
 from spmd.sharding.errors import ShardingError
+from spmd.sharding.fsdp import auto_fsdp_dim, with_fsdp_on
 from spmd.sharding.resolve import logical_to_spec
 from spmd.sharding.rules import RuleTable
 
@@ -35,8 +43,10 @@ class ParamSharding:
     path: str
     shape: tuple[int, ...]
     dtype: str
-    logical_axes: tuple[str | None, ...]
+    logical_axes: tuple[str | None, ...]   # one per dimension (a short Flax spec padded)
     spec: PartitionSpec
+    padded: int = 0                        # trailing dims a short Flax spec left out (None)
+    auto_fsdp_dim: int | None = None       # dim auto-FSDP put on fsdp; None: the rules decided
 
     def bytes_total(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
@@ -50,16 +60,22 @@ class ParamSharding:
 
 
 def logical_axes_of(variable: nnx.Variable, path: str) -> tuple[str | None, ...]:
-    axes = variable.get_metadata().get(LOGICAL_AXES_KEY)
-    if axes is None:
-        shape = getattr(variable.get_value(), "shape", ())
+    """The parameter's logical axes, one per dimension (see `annotate.annotated_axes`)."""
+    return _annotation(variable, path)[0]
+
+
+def _annotation(variable: nnx.Variable, path: str) -> tuple[tuple[str | None, ...], int]:
+    shape = tuple(getattr(variable.get_value(), "shape", ()))
+    found = annotated_axes(variable.get_metadata(), shape, path)
+    if found is None:
         if len(shape) == 0:
-            return ()
+            return (), 0
         raise ShardingError(
-            f"parameter {path} (shape {tuple(shape)}) has no logical axes; annotate it in "
-            f"the model with with_axes(init, (...))"
+            f"parameter {path} (shape {shape}) has no logical axes; annotate it in the model "
+            f"with spmd's with_axes(init, (...)) or Flax's nnx.with_partitioning(init, (...)), "
+            f"one logical name (or None) per dimension"
         )
-    return tuple(axes)
+    return found.axes, found.padded
 
 
 def resolve_param(path: tuple, variable: nnx.Variable, rules: RuleTable,
@@ -67,9 +83,14 @@ def resolve_param(path: tuple, variable: nnx.Variable, rules: RuleTable,
     """One Variable's resolved placement (errors name its path)."""
     name = path_str(path)
     value = variable.get_value()
-    axes = logical_axes_of(variable, name)
-    spec = logical_to_spec(axes, rules, dict(mesh.shape), shape=value.shape, path=name)
-    return ParamSharding(name, tuple(value.shape), str(value.dtype), axes, spec)
+    shape = tuple(value.shape)
+    axes, padded = _annotation(variable, name)
+    mesh_shape = dict(mesh.shape)
+    spec = logical_to_spec(axes, rules, mesh_shape, shape=shape, path=name)
+    dim = auto_fsdp_dim(shape, value.dtype, spec, axes, mesh_shape, rules.fsdp_min_bytes)
+    if dim is not None:
+        spec = with_fsdp_on(spec, len(shape), dim)
+    return ParamSharding(name, shape, str(value.dtype), axes, spec, padded, dim)
 
 
 def resolve_params(state: nnx.State, rules: RuleTable, mesh: Mesh) -> list[ParamSharding]:

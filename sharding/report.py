@@ -1,12 +1,26 @@
-"""The sharding report: where every parameter lives and how much is replicated."""
+"""The sharding report: where every parameter lives and how much is replicated.
+
+`replication_warning` decides (purely) whether a layout replicates what its strategy exists to
+shard; the runtime and `spmd shardings` log what it returns. Two cases:
+(a) the strategy's parameter axes (`Preset.param_axes`: fsdp for the fsdp family, tensor for
+    tp) are larger than 1 but no parameter is split over one of them;
+(b) a parameter of at least `warn_bytes` bytes is whole on every device while a mesh axis
+    that can split parameters (stage, fsdp, tensor, expert) is larger than 1.
+The message names the parameters (largest first), their bytes and the rule to change.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmd.sharding.axes import PARAM_MESH_AXES
 from spmd.sharding.errors import ShardingError
 from spmd.sharding.params import ParamSharding
 from spmd.sharding.resolve import spec_is_replicated
+from spmd.sharding.rules import preset
+
+# How many parameters a warning names.
+_NAMED = 3
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,8 @@ class ShardingReport:
                     "logical_axes": list(p.logical_axes),
                     "spec": [list(e) if isinstance(e, tuple) else e for e in p.spec],
                     "bytes_per_device": p.bytes_per_device(self.mesh_shape),
+                    "padded_dims": p.padded,
+                    "auto_fsdp_dim": p.auto_fsdp_dim,
                 }
                 for p in self.params
             ],
@@ -72,17 +88,93 @@ class ShardingReport:
 
     def as_text(self) -> str:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh_shape.items() if v > 1) or "1 device"
-        rows = [("path", "shape", "logical axes", "spec", "bytes/device")]
+        rows = [("path", "shape", "logical axes", "spec", "bytes/device", "notes")]
         for p in self.params:
             rows.append((
                 p.path, str(p.shape), str(tuple(p.logical_axes)), str(tuple(p.spec)),
-                f"{p.bytes_per_device(self.mesh_shape):,}",
+                f"{p.bytes_per_device(self.mesh_shape):,}", _notes(p),
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines = [f"mesh: {mesh}"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        if any(p.padded for p in self.params):
+            lines.append("padded+N: a short Flax spec; its last N dimensions are replicated")
+        if any(p.auto_fsdp_dim is not None for p in self.params):
+            lines.append("auto-fsdp dim D: no rule put it on fsdp; mesh.fsdp_min_bytes split "
+                         "dimension D")
         lines.append(
             f"total {self.total_bytes:,} B, per device {self.bytes_per_device:,} B, "
             f"replicated fraction {self.replicated_fraction:.3f}"
         )
         return "\n".join(lines)
+
+
+def _notes(p: ParamSharding) -> str:
+    notes = []
+    if p.padded:
+        notes.append(f"padded+{p.padded}")
+    if p.auto_fsdp_dim is not None:
+        notes.append(f"auto-fsdp dim {p.auto_fsdp_dim}")
+    return ", ".join(notes)
+
+
+def _rule_hint(p: ParamSharding, axis: str, size: int) -> str:
+    """`mesh.rules.<name>=<axis>` for the parameter's largest named dimension `size` divides."""
+    dims = sorted(range(len(p.shape)), key=lambda d: (-p.shape[d], -d))
+    for d in dims:
+        name = p.logical_axes[d] if d < len(p.logical_axes) else None
+        if name is not None and p.shape[d] % size == 0:
+            return f"mesh.rules.{name}={axis}"
+    named = [n for n in p.logical_axes if n is not None]
+    if named:
+        return (f"no named dimension of it divides by {axis}={size}; change its logical axes "
+                f"{tuple(p.logical_axes)} or the model size")
+    return f"give its dimensions logical names (they are {tuple(p.logical_axes)})"
+
+
+def _describe(params: list[ParamSharding], axis: str, size: int) -> str:
+    shown = ", ".join(
+        f"{p.path} {p.shape} {tuple(p.logical_axes)} {p.bytes_total():,} B "
+        f"(e.g. {_rule_hint(p, axis, size)})" for p in params[:_NAMED])
+    more = len(params) - _NAMED
+    return shown + (f", and {more} more" if more > 0 else "")
+
+
+def replication_warning(report: ShardingReport, strategy: str,
+                        warn_bytes: int | None) -> str | None:
+    """The warning to log when the layout replicates what the strategy exists to shard, or
+    None. Pure: depends only on the report, the strategy's preset and `warn_bytes`."""
+    mesh = report.mesh_shape
+    by_size = sorted(report.params, key=lambda p: (-p.bytes_total(), p.path))
+    messages = []
+
+    def uses(p: ParamSharding, axis: str) -> bool:
+        return any(axis == e or (isinstance(e, tuple) and axis in e) for e in p.spec)
+
+    for axis in preset(strategy).param_axes:
+        size = mesh.get(axis, 1)
+        if size > 1 and by_size and not any(uses(p, axis) for p in report.params):
+            hint = " or set mesh.fsdp_min_bytes to split big ones automatically" if (
+                axis == "fsdp") else ""
+            messages.append(
+                f"mesh.strategy={strategy} shards parameters over mesh axis {axis} "
+                f"({size} devices), but no parameter is split over it: every device holds "
+                f"them whole. Largest: {_describe(by_size, axis, size)}. Put a logical axis of "
+                f"theirs on {axis} with mesh.rules.<name>={axis}{hint}."
+            )
+    active = [(a, mesh[a]) for a in PARAM_MESH_AXES if mesh.get(a, 1) > 1]
+    if warn_bytes is not None and active and not messages:
+        big = [p for p in by_size if p.shape and spec_is_replicated(p.spec)
+               and p.bytes_total() >= warn_bytes]
+        if big:
+            own = [a for a in preset(strategy).param_axes if mesh.get(a, 1) > 1]
+            axis = own[0] if own else active[0][0]
+            axes = ", ".join(f"{a}={n}" for a, n in active)
+            messages.append(
+                f"{len(big)} parameter(s) of at least mesh.warn_replicated_bytes={warn_bytes:,} B "
+                f"are replicated on every device although mesh axes {axes} can split "
+                f"parameters: {_describe(big, axis, mesh[axis])}. Shard one of their "
+                f"dimensions with a rule (mesh.rules.<logical name>=<mesh axis>) or change "
+                f"their logical axes; mesh.warn_replicated_bytes=null silences this."
+            )
+    return " ".join(messages) or None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,11 +24,17 @@ class Restored:
     # seconds by phase: plan_s (agreeing on step and sources), read_s (files + crc32),
     # exchange_s (pieces between ranks), h2d_s (host to device); persistent: orbax_s
     timings: dict[str, float] = field(default_factory=dict)
+    # optional fields (`restore(..., optional=)`) the checkpoint did not hold: None in `state`
+    missing: tuple[str, ...] = ()
 
 
 class Checkpointer(Protocol):
-    def restore(self, abstract_state: Any) -> Restored | None:
-        """Newest committed step across tiers, onto `abstract_state`'s shardings; None if none."""
+    def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
+        """Newest committed step across tiers, onto `abstract_state`'s shardings; None if none.
+
+        `optional`: top-level fields of the state added after checkpoints were written without
+        them; such a checkpoint restores with those fields None, named in `Restored.missing`.
+        """
 
     def maybe_save(self, step: int, state: Any, *, force: bool = False,
                    finished: bool = False) -> None:
@@ -49,7 +56,7 @@ class NullCheckpointer:
     """Used when checkpoint.every and checkpoint.persistent_every are both 0 and
     checkpoint.final is false."""
 
-    def restore(self, abstract_state: Any) -> Restored | None:
+    def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
         return None
 
     def maybe_save(self, step: int, state: Any, *, force: bool = False,

@@ -157,6 +157,7 @@ class LocalCopy:
     data: Path
     index: Path
     index_crc: str
+    signature: str = ""   # the layout signature it was saved with
 
 
 class LocalTier:
@@ -303,12 +304,14 @@ class LocalTier:
                  and (self.rank_dir(s) / MARKER).is_file()]
         return steps[-1] if steps else None
 
-    def copies(self, signature: str) -> tuple[dict[int, LocalCopy],
-                                              dict[tuple[int, int], LocalCopy], list[str]]:
-        """Committed copies matching `signature`: own {step: copy}, held {(step, owner): copy}.
+    def copies(self, signature: str | Sequence[str]) -> tuple[
+            dict[int, LocalCopy], dict[tuple[int, int], LocalCopy], list[str]]:
+        """Committed copies matching `signature` (or one of several: each copy records which):
+        own {step: copy}, held {(step, owner): copy}.
 
         Also returns notes on copies skipped (other layout, unreadable marker).
         """
+        signatures = {signature} if isinstance(signature, str) else set(signature)
         own: dict[int, LocalCopy] = {}
         held: dict[tuple[int, int], LocalCopy] = {}
         notes = []
@@ -317,18 +320,19 @@ class LocalTier:
             if m is None:
                 continue
             d = self.rank_dir(step)
-            if m.get("signature") != signature or m.get("num_processes") != self.size:
+            sig = m.get("signature")
+            if sig not in signatures or m.get("num_processes") != self.size:
                 notes.append(f"{d}: saved with another layout ({m.get('num_processes')} "
                              f"processes, signature {m.get('signature')}); not usable here")
                 continue
             files = m.get("files", {})
             if INDEX in files:
-                own[step] = LocalCopy(step, self.rank, d / DATA, d / INDEX, files[INDEX])
+                own[step] = LocalCopy(step, self.rank, d / DATA, d / INDEX, files[INDEX], sig)
             for q in m.get("partners", []):
                 base = f"partner-{rank_name(q)}"
                 if f"{base}.json" in files:
                     held[(step, q)] = LocalCopy(step, q, d / f"{base}.bin", d / f"{base}.json",
-                                                files[f"{base}.json"])
+                                                files[f"{base}.json"], sig)
         return own, held, notes
 
     # ------------------------------------------------------------------ load

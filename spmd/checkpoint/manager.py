@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from spmd.checkpoint.persistent import (
     PersistentTier,
     persistent_error,
     split_state,
+    without_fields,
 )
 from spmd.checkpoint.policy import SavePolicy, tier_dirs
 from spmd.checkpoint.restore import RestoreContext
@@ -201,12 +202,18 @@ class HierarchicalCheckpointer:
                            prepare_s=round(self.snapshotter.prepare_s, 4))
         return self._layout
 
-    def restore(self, abstract_state: Any) -> Restored | None:
+    def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
         layout = self._layout_of(abstract_state)
         buffers = self.snapshotter.buffers.arrays if self.snapshotter.buffers else {}
+        older = None
+        if optional and self.local is not None:  # local copies saved without those fields
+            older = SaveLayout.build(without_fields(abstract_state, optional), self.size,
+                                     self.dedupe)
+            if older.signature == layout.signature:
+                older = None
         ctx = RestoreContext(self.rank, self.size, self._main, layout, self.local,
-                             self.persistent, self.transport, self._emit, buffers)
-        restored = plan_restore(ctx, abstract_state)
+                             self.persistent, self.transport, self._emit, buffers, older)
+        restored = plan_restore(ctx, abstract_state, optional)
         if restored is None:
             return None
         if self.rank == 0:

@@ -4,8 +4,10 @@ Orbax (CheckpointManager, StandardSave/StandardRestore) writes a reshardable che
 restores onto any mesh and process count. A step holds two Orbax items: `params` (the
 parameters alone, a pure dict: what `spmd.load`, `spmd eval` and a plain
 `ocp.StandardCheckpointer().restore(<step>/params, target)` read) and `train_state` (every
-other field of the state: step, optimizer state). Steps written before this split hold one
-item, `default`, with the whole state; they restore as before.
+other field of the state: step, optimizer state, RNG key). Steps written before this split
+hold one item, `default`, with the whole state; they restore as before. Steps written before
+a field was added to the state (the RNG key) restore when the caller names that field
+optional: it comes back as None, for the caller to fill.
 
 Orbax does not checksum data, so after Orbax has finalized a step every process crc32s the
 files it wrote (`ocdbt.process_<i>/`, `array_metadatas/process_<i>`; rank 0 the rest), rank 0
@@ -32,7 +34,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,15 +72,37 @@ def split_state(state: Any) -> dict[str, Any]:
 
     A state with a `params` field (a dataclass such as spmd's TrainState) or key (a dict)
     is split; any other pytree is saved whole as "train_state".
+    Fields that are None (absent: see `without_fields`) are left out.
     """
     if dataclasses.is_dataclass(state) and hasattr(state, "params"):
         rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-                if f.name != "params"}
+                if f.name != "params" and getattr(state, f.name) is not None}
         return {PARAMS: state.params, TRAIN_STATE: rest}
     if isinstance(state, Mapping) and "params" in state:
         return {PARAMS: state["params"],
-                TRAIN_STATE: {k: v for k, v in state.items() if k != "params"}}
+                TRAIN_STATE: {k: v for k, v in state.items()
+                              if k != "params" and v is not None}}
     return {TRAIN_STATE: state}
+
+
+def _present_fields(state: Any) -> dict[str, Any] | None:
+    """A dataclass state's fields that are not None, as a dict (None: not a dataclass)."""
+    if not dataclasses.is_dataclass(state):
+        return None
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if getattr(state, f.name) is not None}
+
+
+def without_fields(state: Any, names: Sequence[str]) -> Any:
+    """`state` with the top-level fields `names` set to None (a dataclass) or dropped (a
+    dict): the state as a checkpoint written before those fields existed holds it."""
+    if not names:
+        return state
+    if dataclasses.is_dataclass(state):
+        return dataclasses.replace(state, **{n: None for n in names})
+    if isinstance(state, Mapping):
+        return {k: v for k, v in state.items() if k not in names}
+    return state
 
 
 def join_state(like: Any, items: Mapping[str, Any]) -> Any:
@@ -366,17 +390,39 @@ class PersistentTier:
             return [f"{self.step_dir(step) / MANIFEST}: missing or unreadable"]
         return verify_files(self.step_dir(step), manifest, self.rank, self.size)
 
-    def restore(self, step: int, abstract_state: Any) -> Any:
-        """Onto `abstract_state`'s shardings: any mesh, any process count (either layout)."""
-        if (self.step_dir(step) / LEGACY_ITEM).is_dir():
-            items = {LEGACY_ITEM: abstract_state}
+    def restore(self, step: int, abstract_state: Any,
+                optional: Sequence[str] = ()) -> tuple[Any, tuple[str, ...]]:
+        """Onto `abstract_state`'s shardings: any mesh, any process count (either layout).
+
+        Returns the state and the `optional` top-level fields the step does not hold (None
+        in the state): it was written before they existed.
+        """
+        legacy = (self.step_dir(step) / LEGACY_ITEM).is_dir()
+        stored = self._stored_fields(step, LEGACY_ITEM if legacy else TRAIN_STATE) \
+            if optional else None
+        missing = tuple(n for n in optional if stored is not None and n not in stored)
+        target = without_fields(abstract_state, missing)
+        if legacy:  # the whole state in one item; absent fields are not in its tree
+            fields = _present_fields(target)
+            items = {LEGACY_ITEM: target if fields is None else fields}
         else:
-            items = split_state(abstract_state)
+            items = split_state(target)
         restored = self.manager.restore(step, args=self._ocp.args.Composite(
             **{name: self._restore_args(tree) for name, tree in items.items()}))
-        if LEGACY_ITEM in items:
-            return restored[LEGACY_ITEM]
-        return join_state(abstract_state, {name: restored[name] for name in items})
+        if legacy:
+            whole = restored[LEGACY_ITEM]
+            return (whole if fields is None or not dataclasses.is_dataclass(target)
+                    else dataclasses.replace(target, **whole)), missing
+        return join_state(target, {name: restored[name] for name in items}), missing
+
+    def _stored_fields(self, step: int, item: str) -> set[str] | None:
+        """Top-level keys of a step's item, from Orbax's metadata (None: unreadable)."""
+        try:
+            meta = self.manager.item_metadata(step)[item]
+        except Exception:
+            return None
+        tree = getattr(meta, "tree", meta)
+        return set(tree) if isinstance(tree, Mapping) else None
 
     def _restore_args(self, target: Any) -> Any:
         if self.compress:

@@ -6,13 +6,18 @@ step for which every rank has a source: own copy, else the partner's copy, else 
 whole job) the persistent tier. Every chosen source is checksum-verified before use; a bad
 one is reported (naming the file), struck off, and rank 0 plans again. All ranks act on rank
 0's plan, so they always agree on the step and the sources.
+
+A state may name `optional` fields: ones added to the state after checkpoints were written
+without them (spmd's `rng`). A local copy saved in the layout of the state without them
+(`RestoreContext.older`), or a persistent step whose items lack them, still restores; those
+fields come back as None and `Restored.missing` names them, for the caller to fill.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +27,7 @@ import numpy as np
 from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import PieceId, SaveLayout, assemble
 from spmd.checkpoint.local import LocalCopy, LocalTier
-from spmd.checkpoint.persistent import PersistentTier
+from spmd.checkpoint.persistent import PersistentTier, without_fields
 from spmd.checkpoint.transport import CollectSink, Incoming, Outgoing, Transport
 from spmd.comm.agreement import Coordinator
 
@@ -41,28 +46,38 @@ class Planner:
     problems: list[str] = field(default_factory=list)
 
     def plan(self) -> dict:
-        own = [set(v.get("own", [])) for v in self.votes]
-        held: dict[tuple[int, int], int] = {}
-        for h, v in enumerate(self.votes):
-            for step, q in v.get("held", []):
-                held.setdefault((step, q), h)
         persistent = set(self.votes[0].get("persistent", []))
-        steps = sorted({s for o in own for s in o} | {s for s, _ in held} | persistent,
-                       reverse=True)
+        steps = sorted({s for v in self.votes for key in ("own", "own_older")
+                        for s in v.get(key, [])}
+                       | {s for v in self.votes for key in ("held", "held_older")
+                          for s, _ in v.get(key, [])} | persistent, reverse=True)
         for s in steps:
-            servers = {}
-            for q in range(self.size):
-                if s in own[q] and ("own", s, q) not in self.bad:
-                    servers[q] = q
-                elif (s, q) in held and ("held", s, q) not in self.bad:
-                    servers[q] = held[(s, q)]
-                else:
-                    break
-            else:
-                return {"tier": "local", "step": s, "servers": servers}
+            for older in (False, True):
+                servers = self._servers(s, older)
+                if servers is not None:
+                    return {"tier": "local", "step": s, "servers": servers,
+                            **({"older": True} if older else {})}
             if s in persistent and ("persistent", s, -1) not in self.bad:
                 return {"tier": "persistent", "step": s}
         return {"tier": None}
+
+    def _servers(self, step: int, older: bool) -> dict[int, int] | None:
+        """Who serves each rank's copy of `step` (all in the current layout, or all in the
+        older one), or None when some rank's copy is missing."""
+        own_key, held_key = ("own_older", "held_older") if older else ("own", "held")
+        held: dict[tuple[int, int], int] = {}
+        for h, v in enumerate(self.votes):
+            for s, q in v.get(held_key, []):
+                held.setdefault((s, q), h)
+        servers = {}
+        for q in range(self.size):
+            if step in self.votes[q].get(own_key, []) and (own_key, step, q) not in self.bad:
+                servers[q] = q
+            elif (step, q) in held and (held_key, step, q) not in self.bad:
+                servers[q] = held[(step, q)]
+            else:
+                return None
+        return servers
 
     def decide_round(self, votes: list[dict]) -> dict:
         """After a round of checks: ok, or strike off what failed and plan again."""
@@ -86,10 +101,15 @@ class RestoreContext:
     transport: Transport | None
     emit: Callable[..., None]
     buffers: dict[PieceId, np.ndarray] = field(default_factory=dict)  # reused, this rank's
+    older: SaveLayout | None = None   # layout of the state without its optional fields
 
 
-def restore(ctx: RestoreContext, abstract_state: Any) -> Restored | None:
+def restore(ctx: RestoreContext, abstract_state: Any,
+            optional: Sequence[str] = ()) -> Restored | None:
     """Collective: every rank calls it; all return the same step (or None).
+
+    `optional`: top-level fields of the state that a checkpoint may lack (see the module
+    docstring; local copies in `ctx.older`'s layout are considered only with it).
 
     `Restored.timings` splits this rank's time: plan_s, read_s, exchange_s, h2d_s (local
     tier) or orbax_s (persistent tier: Orbax reads and puts on the devices in one call).
@@ -99,11 +119,17 @@ def restore(ctx: RestoreContext, abstract_state: Any) -> Restored | None:
     own: dict[int, LocalCopy] = {}
     held: dict[tuple[int, int], LocalCopy] = {}
     vote: dict[str, Any] = {"own": [], "held": []}
+    older = ctx.older if optional and ctx.older is not None else None
     if ctx.local is not None:
-        own, held, notes = ctx.local.copies(ctx.layout.signature)
+        signatures = [ctx.layout.signature] + ([older.signature] if older else [])
+        own, held, notes = ctx.local.copies(signatures)
         if ctx.transport is None and ctx.size > 1:
             held = {}  # a partner copy cannot be fetched without MPI
-        vote = {"own": sorted(own), "held": sorted(held), "notes": notes}
+        vote = {"own": sorted(s for s, c in own.items() if not _is_older(c, older)),
+                "held": sorted(k for k, c in held.items() if not _is_older(c, older)),
+                "own_older": sorted(s for s, c in own.items() if _is_older(c, older)),
+                "held_older": sorted(k for k, c in held.items() if _is_older(c, older)),
+                "notes": notes}
         for note in notes:
             log.info("local checkpoint skipped: %s", note)
     if ctx.rank == 0 and ctx.persistent is not None:
@@ -143,12 +169,15 @@ def restore(ctx: RestoreContext, abstract_state: Any) -> Restored | None:
                                   + "; ".join(problems))
         return None
     step = plan["step"]
-    treedef = jax.tree.structure(abstract_state)
+    missing: tuple[str, ...] = ()
     timings["plan_s"] = time.perf_counter() - t_start - timings["read_s"]
     if plan["tier"] == "local":
-        leaves = _exchange_and_assemble(ctx, plan, data, jax.tree.leaves(abstract_state),
-                                        timings)
-        state = jax.tree.unflatten(treedef, leaves)
+        target = abstract_state
+        if plan.get("older"):
+            missing = tuple(optional)
+            target = without_fields(abstract_state, missing)
+        leaves = _exchange_and_assemble(ctx, plan, data, jax.tree.leaves(target), timings)
+        state = jax.tree.unflatten(jax.tree.structure(target), leaves)
         servers = _servers(plan)
         source = "local" if servers[ctx.rank] == ctx.rank else "partner"
         partners = {q: h for q, h in servers.items() if q != h}
@@ -160,7 +189,8 @@ def restore(ctx: RestoreContext, abstract_state: Any) -> Restored | None:
         assert ctx.persistent is not None
         try:
             t0 = time.perf_counter()
-            state = jax.block_until_ready(ctx.persistent.restore(step, abstract_state))
+            state, missing = ctx.persistent.restore(step, abstract_state, optional)
+            state = jax.block_until_ready(state)
             timings["orbax_s"] = time.perf_counter() - t0
         except Exception as e:
             raise CheckpointError(
@@ -171,7 +201,13 @@ def restore(ctx: RestoreContext, abstract_state: Any) -> Restored | None:
     if problems:
         detail += "; fell back after: " + "; ".join(problems)
     timings["total_s"] = time.perf_counter() - t_start
-    return Restored(step=step, state=state, source=source, detail=detail, timings=timings)
+    return Restored(step=step, state=state, source=source, detail=detail, timings=timings,
+                    missing=missing)
+
+
+def _is_older(copy: LocalCopy, older: SaveLayout | None) -> bool:
+    """Whether a copy was saved in the older layout (one without the optional fields)."""
+    return older is not None and copy.signature == older.signature
 
 
 def _servers(plan: dict) -> dict[int, int]:
@@ -183,17 +219,18 @@ def _load_local(ctx: RestoreContext, plan: dict, own: dict[int, LocalCopy],
     """Load and verify every copy this rank serves; report the bad ones."""
     assert ctx.local is not None
     step, servers = plan["step"], _servers(plan)
+    layout, suffix = _plan_layout(ctx, plan), "_older" if plan.get("older") else ""
     bad, data = [], {}
     for q, h in servers.items():
         if h != ctx.rank:
             continue
         kind, copy = ("own", own.get(step)) if q == ctx.rank else ("held", held.get((step, q)))
+        kind += suffix
         try:
             if copy is None:
                 raise CheckpointError(f"rank {ctx.rank} has no committed copy of rank {q}")
-            pieces = ctx.local.load(copy, ctx.layout,
-                                    ctx.buffers if q == ctx.rank else None)
-            expected = {(p.leaf, p.key) for p in ctx.layout.writes(q)}
+            pieces = ctx.local.load(copy, layout, ctx.buffers if q == ctx.rank else None)
+            expected = {(p.leaf, p.key) for p in layout.writes(q)}
             missing = expected - set(pieces)
             if missing:
                 raise CheckpointError(f"{copy.index}: {len(missing)} expected pieces missing")
@@ -202,6 +239,14 @@ def _load_local(ctx: RestoreContext, plan: dict, own: dict[int, LocalCopy],
             what = "own copy" if q == ctx.rank else f"partner copy of rank {q}"
             bad.append([kind, step, q, f"rank {ctx.rank}: step {step} {what}: {e}"])
     return bad, data
+
+
+def _plan_layout(ctx: RestoreContext, plan: dict) -> SaveLayout:
+    """The layout the planned local step was saved in."""
+    if plan.get("older"):
+        assert ctx.older is not None
+        return ctx.older
+    return ctx.layout
 
 
 def _check_persistent(ctx: RestoreContext, step: int) -> list:
@@ -217,7 +262,7 @@ def _check_persistent(ctx: RestoreContext, step: int) -> list:
 def _exchange_and_assemble(ctx: RestoreContext, plan: dict, data: dict[int, dict],
                            abstract_leaves: list, timings: dict) -> list[jax.Array]:
     """Send every rank the pieces it needs from the copies this rank serves; build arrays."""
-    layout, me, servers = ctx.layout, ctx.rank, _servers(plan)
+    layout, me, servers = _plan_layout(ctx, plan), ctx.rank, _servers(plan)
     mine: dict[PieceId, np.ndarray] = {}
     wanted: dict[int, list[PieceId]] = {}  # server -> pieces I receive from it
     for pid in layout.needs(me):

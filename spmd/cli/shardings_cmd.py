@@ -1,4 +1,11 @@
-"""`spmd shardings CONFIG [key=value ...] [--devices N] [--json]`: the sharding report."""
+"""`spmd shardings CONFIG [key=value ...] [--devices N] [--json]`: the sharding report.
+
+Per parameter: path, shape, logical axes, mesh spec, bytes per device, and notes: `padded+N`
+(a short Flax spec, its last N dimensions replicated) and `auto-fsdp dim D` (no rule put it
+on fsdp; `mesh.fsdp_min_bytes` split dimension D). `--json` carries the same as
+`padded_dims` and `auto_fsdp_dim`. A layout that replicates what the strategy exists to
+shard is warned about on stderr (logger `spmd.sharding`), as in training.
+"""
 
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
         devices = jax.devices()
 
-    from spmd.engine.axis_rules import axis_rules
+    from spmd.engine.axis_rules import axis_rules, warn_replication
     from spmd.engine.mesh import build_mesh
     from spmd.engine.pipeline_checks import check_pipeline, stage_summary
     from spmd.engine.state import model_layout
@@ -56,5 +63,6 @@ def run(args: argparse.Namespace) -> int:
         print(report.as_text())
         if stages is not None:
             print(format_stages(stages))
+    warn_replication(report, cfg.mesh)
     report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
     return 0

@@ -23,7 +23,13 @@ from jax.sharding import Mesh
 
 from spmd.config.schema import MeshConfig, TrainConfig
 from spmd.errors import ConfigError
-from spmd.sharding import ACTIVATION_PREFIX, LOGICAL_AXES_KEY, RuleTable, ShardingReport
+from spmd.sharding import (
+    ACTIVATION_PREFIX,
+    RuleTable,
+    ShardingReport,
+    annotated_axes,
+    path_str,
+)
 from spmd.sharding.pipeline import (
     LAYERS,
     PipelineSchedule,
@@ -35,9 +41,12 @@ from spmd.tasks.base import Task
 
 def _stacked_layers(task: Task, seed: int) -> int | None:
     """Size of the `layers` dimension of the model's stacked parameters (None: no stack)."""
-    abstract = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(seed)))
-    for _, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        axes = variable.get_metadata().get(LOGICAL_AXES_KEY) or ()
+    with nnx.use_eager_sharding(False):   # Flax-annotated models: no mesh needed
+        abstract = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(seed)))
+    for path, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        shape = tuple(getattr(variable.get_value(), "shape", ()))
+        annotation = annotated_axes(variable.get_metadata(), shape, path_str(path))
+        axes = annotation.axes if annotation is not None else ()
         if LAYERS in axes:
             return variable.get_value().shape[list(axes).index(LAYERS)]
     return None

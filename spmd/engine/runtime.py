@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.data.feed import BatchFeed
-from spmd.engine.axis_rules import axis_rules
+from spmd.engine.axis_rules import axis_rules, warn_replication
 from spmd.engine.pipeline_checks import check_pipeline
 from spmd.engine.state import (
     ModelLayout,
@@ -70,11 +70,13 @@ def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
     model = model_layout(task, cfg.train.seed, rules, mesh)
     model.report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
+    warn_replication(model.report, cfg.mesh)   # nothing replicated silently: log it
     state = state_layout(model, tx, rules, mesh)
     feed = BatchFeed(task.batch_fields(), cfg.train.batch_size, mesh, rules)
     train_step = make_train_step(task, model, state, tx, feed.shardings, mesh, rules,
                                  donate=cfg.train.donate, schedule=schedule)
-    eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules, schedule)
+    eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules, schedule,
+                                seed=cfg.train.seed)
                  if task.eval_source() is not None else None)
     has_samples = type(task).sample_outputs is not Task.sample_outputs
     sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules, schedule)

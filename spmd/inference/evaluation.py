@@ -1,7 +1,8 @@
 """`spmd eval`: the task's evaluation metrics on a split, with a run's trained parameters.
 
 The metrics are computed exactly as the trainer's evaluation computes them (the same jitted
-eval step over the same fixed batches of `data.eval_batches` x `train.batch_size` examples),
+eval step, the model in eval mode and any `rngs` from a fixed key, over the same fixed
+batches of `data.eval_batches` x `train.batch_size` examples),
 so evaluating the last step of a run reproduces the last evaluation in its metrics.jsonl.
 """
 

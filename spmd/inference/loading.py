@@ -146,8 +146,7 @@ def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(layout.abstract_params), shardings)
     params = read_params(ckpt, target, verify=verify)
-    model = layout.merge(params)
-    model.eval()
+    model = layout.merge(params)   # in eval mode (Dropout off), RNG streams from a fixed key
     log.info("loaded %s: %s", cfg.task, ckpt.describe())
     return Trained(model=model, task=task, config=cfg, step=ckpt.step,
                    source=ckpt.describe(), params=params, mesh=mesh, rules=rules,

@@ -3,7 +3,8 @@
 The input field (`Task.prediction_input()`) is read from the file with the task's batch
 layout, in the file's example order, batch after batch, each batch sharded over every
 device of the job exactly as in training (under `spatial` a process reads and holds only
-its slab of a field). `Task.predict` maps a batch to the prediction. With `rollout` N > 1
+its slab of a field). `Task.predict` maps a batch to the prediction, the model in eval mode
+(`model.eval()`: no dropout). With `rollout` N > 1
 each prediction is fed back as the next input (a surrogate stepping in time), and every
 step is kept. Process 0 writes the predictions to an HDF5 file, under a temporary name
 renamed into place when complete:
@@ -98,7 +99,7 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
 
     def predict(params, inputs):
         with activation_sharding(mesh, rules), pipeline_schedule(schedule):
-            return task.predict(trained.layout.merge(params), inputs)
+            return task.predict(trained.layout.merge(params, train=False), inputs)
 
     abstract = {name: jax.ShapeDtypeStruct(field.global_shape(batch), field.dtype,
                                            sharding=in_sharding)}

@@ -24,7 +24,7 @@ import jax
 import psutil
 from jax.experimental import multihost_utils
 
-from spmd.checkpoint import Checkpointer, create_checkpointer
+from spmd.checkpoint import Checkpointer, Restored, create_checkpointer
 from spmd.comm import RankGroup, StopVote
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog
 from spmd.comm.job_failure import FailureWatch, announce
@@ -32,6 +32,7 @@ from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import Runtime, build_runtime
+from spmd.engine.state import ADDED_FIELDS, TrainState, train_rng
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import (
     HALT_FILE_NAME,
@@ -161,9 +162,9 @@ class Trainer:
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
         began = time.perf_counter()
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
-        restored = checkpointer.restore(rt.state.abstract)
+        restored = checkpointer.restore(rt.state.abstract, optional=ADDED_FIELDS)
         if restored is not None:
-            state, start = restored.state, restored.step
+            state, start = fill_missing(rt, restored), restored.step
             events.emit("restored", step=start, source=restored.source, detail=restored.detail,
                         **{k: round(v, 4) for k, v in restored.timings.items()},
                         seconds=round(time.perf_counter() - began, 4))
@@ -304,6 +305,19 @@ class Trainer:
             hooks.append(Hook(PlotsHook(run_dir, events, rt.task, preemption),
                               max(cfg.train.steps, 1), "plots"))
         return hooks
+
+
+def fill_missing(rt: Runtime, restored: Restored) -> TrainState:
+    """The restored state, with fields a checkpoint written before they existed lacks (the
+    RNG key: `ADDED_FIELDS`) filled from the config, as a fresh run would have them."""
+    state = restored.state
+    if "rng" in restored.missing:
+        seed = rt.cfg.train.seed
+        state = state.replace(rng=jax.device_put(train_rng(seed), rt.state.shardings.rng))
+        if jax.process_index() == 0:
+            log.info("the checkpoint of step %d holds no RNG key (written before the train "
+                     "state had one): set from train.seed=%d", restored.step, seed)
+    return state
 
 
 OWN_BOUNDS = frozenset({"checkpoint", "profiler"})  # hooks the hang watchdog does not time

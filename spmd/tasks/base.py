@@ -11,7 +11,7 @@ untyped, as `self.cfg.model`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Generic, TypeVar, cast
 
 import jax
@@ -29,6 +29,17 @@ class Task(abc.ABC, Generic[ModelCfg]):
 
     `Task[MyConfig]` types `model_cfg` as the task's own `Config` (set both); a plain
     `Task` subclass works the same, with `model_cfg` typed as any pydantic model.
+
+    Randomness and modes: the model that `loss` receives is in train mode (`model.train()`:
+    `nnx.Dropout` active), the one that `eval_metrics`, `sample_outputs` and `predict`
+    receive is in eval mode (`model.eval()`). `loss` and `eval_metrics` may declare the
+    keyword parameters `rngs` and/or `train` (or `**kwargs`); spmd passes only what they
+    accept (the 2-argument form gets neither). `rngs` is an `nnx.Rngs` with streams
+    `dropout` and `default`, a pure function of (`train.seed`, step): pass it on to the
+    model, `model(x, rngs=rngs)`, for Dropout built without `rngs`. A Dropout built with
+    `rngs=rngs` keeps its own stream, which spmd reseeds from the same step key, so either
+    way a resumed run draws exactly what an uninterrupted one would. Model variables other
+    than parameters and RNG streams (e.g. BatchNorm's batch statistics) are not supported.
     """
 
     Config: ClassVar[type[BaseModel]] = ModelConfig
@@ -49,7 +60,14 @@ class Task(abc.ABC, Generic[ModelCfg]):
 
     @abc.abstractmethod
     def loss(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict]:
-        """Mean loss over the global batch, and auxiliary scalars to log."""
+        """Mean loss over the global batch, and auxiliary scalars to log.
+
+        The model is in train mode. An override may add keyword parameters
+        `loss(self, model, batch, *, rngs=None, train=True)`: `rngs`, this update's
+        `nnx.Rngs` (streams `dropout`, `default`); `train`, True here (the same function
+        serves evaluation with False). Either, both, or `**kwargs`; spmd passes what the
+        signature accepts.
+        """
 
     @abc.abstractmethod
     def train_source(self) -> DataSource: ...
@@ -70,7 +88,11 @@ class Task(abc.ABC, Generic[ModelCfg]):
         return None
 
     def eval_metrics(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> dict:
-        """Per-batch metrics averaged over eval batches (only when eval_source() is not None)."""
+        """Per-batch metrics averaged over eval batches (only when eval_source() is not None).
+
+        The model is in eval mode. Like `loss`, an override may take `rngs` (from a fixed
+        key: evaluation is deterministic) and `train` (False) as keyword parameters.
+        """
         return {}
 
     def sample_outputs(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> dict | None:
@@ -109,4 +131,13 @@ class Task(abc.ABC, Generic[ModelCfg]):
 
     def flops_per_example(self) -> float | None:
         """Training FLOPs per example (forward + backward), for MFU; None when unknown."""
+        return None
+
+    def logical_axis_rules(self) -> Sequence[tuple[str, str | Sequence[str] | None]] | None:
+        """The model's own Flax-style logical-axis rules, as for `nnx.logical_axis_rules`:
+        `[('embed', None), ('mlp', 'model'), ...]`, (logical name, mesh axis name(s) or None),
+        in priority order (a name listed twice: the first wins). They may name the model's
+        own mesh axes ('model'); `mesh.axis_aliases` maps those onto spmd's (e.g.
+        {model: tensor}). They override the strategy's preset; `mesh.rules` overrides them.
+        None: the preset and `mesh.rules` alone."""
         return None
