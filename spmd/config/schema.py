@@ -74,8 +74,9 @@ class MeshConfig(_Section):
     # bytes that no rule puts on fsdp is split along its largest dimension the fsdp ways
     # divide; smaller ones stay replicated. null: only the rules shard over fsdp.
     fsdp_min_bytes: int | None = Field(2**20, ge=0)
-    # A parameter of at least this many bytes left whole on every device by a sharding
-    # strategy is named in a warning (with the rule to change). null: no warning.
+    # A parameter of at least this many bytes left whole on every device while a mesh axis
+    # that splits parameters is > 1 is named in a warning (with the rule to change). null: no
+    # such warning (a strategy whose own axis shards no parameter is still warned about).
     warn_replicated_bytes: int | None = Field(2**20, ge=0)
     max_replicated_fraction: float | None = Field(None, ge=0.0, le=1.0)
 
@@ -103,8 +104,12 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "hdf5", "npy"] = "synthetic"
-    path: Path | None = None          # hdf5: dataset file (made by `spmd data make` if missing)
+    # Array files: hdf5 | netcdf (NetCDF4) | zarr | npy (the reader detects each file's format).
+    source: Literal["synthetic", "hdf5", "netcdf", "zarr", "npy"] = "synthetic"
+    # A store (file, Zarr store, directory of .npy), a directory of stores or a glob of them,
+    # concatenated along the first axis in sorted path order (docs/data.md). Made by `spmd
+    # data make` if missing (one file).
+    path: Path | None = None
     # batch field -> dataset path in data.path ("{split}" stands for train / test); fields
     # not named here take the task's default path (spmd.data.ArraySource)
     fields: dict[str, str] = Field(default_factory=dict)
@@ -113,6 +118,10 @@ class DataConfig(_Section):
     eval_batches: int = Field(2, ge=1)
     seed: int = Field(0, ge=0)        # generator seed of a dataset made by `spmd data make`
     solver: dict[str, Any] = Field(default_factory=dict)
+    # Background reads: the batches of the next `prefetch` steps are read by `read_threads`
+    # threads while a step runs (0: read when the step needs it). Batches are identical.
+    prefetch: int = Field(2, ge=0)
+    read_threads: int = Field(4, ge=1)
 
 
 class CheckpointConfig(_Section):

@@ -9,17 +9,33 @@ that declares `reads_slabs = True` is asked for this process's slab only:
 return arrays of exactly that shape. Any other source is called as `rows(step, start,
 stop)` and returns whole examples; JAX then keeps the part this process's devices hold.
 An axis whose local indices are not one contiguous range is asked for in full.
+
+Background reads (spmd.data.prefetch): a source with `prefetch = k > 0` (ArraySource from
+the config's data.prefetch) has the host arrays of steps s+1 .. s+k read by
+`read_threads` daemon threads while step s runs, each step's rows split into up to
+`read_threads` row ranges. The threads produce host numpy arrays only; `global_batch`
+builds the jax.Arrays in the caller's thread. The calls are the same as without prefetch,
+so the batches are bit-identical; a read error is raised by the step that needs it.
+`BatchFeed(prefetch=, read_threads=)` overrides what the source says (0: read in the call).
+
+Waiting: `last_wait_s` is how long the last `global_batch` call blocked its caller (reading
+or waiting for the background read, plus building the jax.Arrays), `last_read_wait_s` the
+part spent on host data only; `total_wait_s` / `calls` accumulate over every call.
 """
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from spmd.data.batch import BatchField, DataSource
+from spmd.data.prefetch import Prefetcher
 from spmd.sharding import RuleTable, logical_to_spec
 
 
@@ -66,11 +82,20 @@ def local_region(sharding: NamedSharding, global_shape: tuple[int, ...]
                  for axis in range(1, len(global_shape)))
 
 
+def _fill(buffers: dict[str, np.ndarray], got: dict[str, np.ndarray], at: int) -> None:
+    for name, buffer in buffers.items():
+        value = got[name]
+        buffer[at:at + len(value)] = value
+
+
 class BatchFeed:
     """Per step: this process's rows from the source -> one global jax.Array per field."""
 
+    MAX_READERS = 4            # sources read ahead at once (train, eval, ...); LRU beyond
+
     def __init__(self, fields: Mapping[str, BatchField], batch_size: int, mesh: Mesh,
-                 rules: RuleTable):
+                 rules: RuleTable, *, prefetch: int | None = None,
+                 read_threads: int | None = None):
         self.fields = dict(fields)
         self.batch_size = batch_size
         self.shardings = batch_shardings(fields, batch_size, mesh, rules)
@@ -82,6 +107,13 @@ class BatchFeed:
             name: local_region(self.shardings[name], f.global_shape(batch_size))
             for name, f in self.fields.items()
         }
+        self.prefetch, self.read_threads = prefetch, read_threads   # None: as the source says
+        self.last_wait_s = 0.0
+        self.last_read_wait_s = 0.0
+        self.total_wait_s = 0.0
+        self.calls = 0
+        self._readers: collections.OrderedDict[int, tuple[Any, Prefetcher]] = \
+            collections.OrderedDict()
 
     def local_shape(self, name: str, slab: bool) -> tuple[int, ...]:
         """The shape of this process's part of field `name` that a source returns."""
@@ -90,27 +122,114 @@ class BatchFeed:
                    else self.fields[name].example_shape)
         return (hi - lo, *example)
 
-    def global_batch(self, source: DataSource, step: int) -> dict[str, jax.Array]:
-        slab = bool(getattr(source, "reads_slabs", False))
-        cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    # ------------------------------------------------------------ host data
+
+    def _groups(self) -> dict[tuple[int, int], list[str]]:
+        """Fields by the rows this process holds (one source call per distinct range)."""
+        groups: dict[tuple[int, int], list[str]] = {}
+        for name in self.fields:
+            groups.setdefault(self.ranges[name], []).append(name)
+        return groups
+
+    def _read(self, source: DataSource, step: int, rows: tuple[int, int], names: list[str],
+              slab: bool, part: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+        """Fields `names` of rows `part` (default: all of `rows`) of `step`, checked."""
+        lo, hi = part or rows
+        if slab:
+            got = source.rows(step, lo, hi, region={k: self.regions[k] for k in names})
+        else:
+            got = source.rows(step, lo, hi)
         out = {}
-        for name, field in self.fields.items():
-            rows = self.ranges[name]
-            if rows not in cache:
-                if slab:
-                    region = {k: self.regions[k] for k in self.fields if self.ranges[k] == rows}
-                    cache[rows] = source.rows(step, *rows, region=region)
-                else:
-                    cache[rows] = source.rows(step, *rows)
-            local = np.asarray(cache[rows][name], dtype=field.dtype)
-            want = self.local_shape(name, slab)
+        for name in names:
+            local = np.asarray(got[name], dtype=self.fields[name].dtype)
+            want = (hi - lo, *self.local_shape(name, slab)[1:])
             if local.shape != want:
                 raise ValueError(
-                    f"{type(source).__name__}.rows(step={step}, rows={rows}) returned field "
-                    f"'{name}' of shape {local.shape}; this process needs {want}"
+                    f"{type(source).__name__}.rows(step={step}, rows={(lo, hi)}) returned "
+                    f"field '{name}' of shape {local.shape}; this process needs {want}"
                     + (f" (region {self.regions[name]})" if slab else "")
                 )
-            out[name] = jax.make_array_from_process_local_data(
-                self.shardings[name], local, field.global_shape(self.batch_size)
-            )
+            out[name] = local
+        return out
+
+    def host_batch(self, source: DataSource, step: int) -> dict[str, np.ndarray]:
+        """This process's host arrays of `step`, read in this thread (no prefetch)."""
+        slab = bool(getattr(source, "reads_slabs", False))
+        out: dict[str, np.ndarray] = {}
+        for rows, names in self._groups().items():
+            out.update(self._read(source, step, rows, names, slab))
+        return out
+
+    def _plan(self, source: DataSource, threads: int):
+        """Per step: parts (row ranges of each group, read by the pool) and their join."""
+        slab = bool(getattr(source, "reads_slabs", False))
+        groups = self._groups()
+
+        def plan(step: int):
+            parts, out = [], {}
+            for rows, names in groups.items():
+                lo, hi = rows
+                n = max(1, min(threads, hi - lo))
+                if n == 1:
+                    parts.append(lambda r=rows, m=names: out.update(
+                        self._read(source, step, r, m, slab)))
+                    continue
+                buffers = {k: np.empty(self.local_shape(k, slab), self.fields[k].dtype)
+                           for k in names}
+                out.update(buffers)
+                cuts = [lo + (hi - lo) * k // n for k in range(n + 1)]
+                for a, b in zip(cuts[:-1], cuts[1:]):
+                    parts.append(lambda r=rows, m=names, p=(a, b), into=buffers:
+                                 _fill(into, self._read(source, step, r, m, slab, p),
+                                       p[0] - r[0]))
+            return parts, lambda _: out
+
+        return plan
+
+    def _reader(self, source: DataSource) -> Prefetcher | None:
+        depth = self.prefetch if self.prefetch is not None else getattr(source, "prefetch", 0)
+        if not depth:
+            return None
+        key = id(source)
+        if key in self._readers:
+            self._readers.move_to_end(key)
+            return self._readers[key][1]
+        threads = (self.read_threads if self.read_threads is not None
+                   else getattr(source, "read_threads", 1))
+        reader = Prefetcher(self._plan(source, max(1, int(threads))), int(depth),
+                            max(1, int(threads)),
+                            until=getattr(source, "prefetch_until", None),
+                            name=f"spmd-read-{type(source).__name__}")
+        self._readers[key] = (source, reader)      # holds the source: its id stays unique
+        while len(self._readers) > self.MAX_READERS:
+            self._readers.popitem(last=False)[1][1].close()
+        return reader
+
+    def close(self) -> None:
+        """Stop the background reads (also done at interpreter exit)."""
+        readers, self._readers = self._readers, collections.OrderedDict()
+        for _, reader in readers.values():
+            reader.close()
+
+    # ------------------------------------------------------------ the batch
+
+    def global_batch(self, source: DataSource, step: int) -> dict[str, jax.Array]:
+        if not self.fields:
+            return {}
+        began = time.perf_counter()
+        reader = self._reader(source)
+        if reader is None:
+            local = self.host_batch(source, step)
+            read_wait = time.perf_counter() - began
+        else:
+            local, read_wait = reader.get(step)
+        out = {
+            name: jax.make_array_from_process_local_data(
+                self.shardings[name], local[name], field.global_shape(self.batch_size))
+            for name, field in self.fields.items()
+        }
+        self.last_read_wait_s = read_wait
+        self.last_wait_s = time.perf_counter() - began
+        self.total_wait_s += self.last_wait_s
+        self.calls += 1
         return out

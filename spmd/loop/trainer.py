@@ -213,6 +213,8 @@ class Trainer:
         source, total, state = rt.task.train_source(), self.cfg.train.steps, info.state
         for step in range(info.step, total):
             state, metrics = compiled(state, rt.feed.global_batch(source, step))
+            # the time this step waited for its batch (host read, or the background read)
+            metrics = {**metrics, "input_wait_s": rt.feed.last_wait_s}
             info = StepInfo(step=step + 1, state=state, metrics=metrics, final=step + 1 == total)
             info, stopped = self._after_update(info, hooks)
             if self._hang is not None:

@@ -251,4 +251,10 @@ def _throughput(jobs: list[Job], metrics: list[dict], productive_s: float,
             out[f"median_{key}"] = median(values)
     if "median_mfu" in out:
         out["allocation_mfu"] = out["median_mfu"] * goodput
+    waited = [r for r in train if isinstance(r.get("input_wait_s"), int | float)]
+    if waited:   # logged steps only (every run.log_every): the time the loop waited for data
+        out["input_wait_s"] = sum(float(r["input_wait_s"]) for r in waited)
+        stepped = sum(float(r.get("step_time_s", 0.0)) for r in waited)
+        if stepped > 0:
+            out["input_wait_fraction"] = out["input_wait_s"] / stepped
     return out

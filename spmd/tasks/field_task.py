@@ -29,6 +29,7 @@ import numpy as np
 
 from spmd.data.arrays import ArraySource, write_arrays
 from spmd.data.batch import BatchField
+from spmd.data.file_index import data_exists
 from spmd.tasks.base import ModelCfg, Task
 
 log = logging.getLogger("spmd.tasks.field_task")
@@ -90,7 +91,7 @@ class FieldTask(Task[ModelCfg]):
         path = Path(d.path) if d.path is not None else None
         if path is None:
             self._source("train", False)  # raises the error that names data.path
-        if path.exists() and not force:
+        if data_exists(path) and not force:
             return f"{path} exists ({self.describe_data()})"
         arrays = {}
         for split, count, seed in (("train", d.num_train, d.seed),
@@ -108,7 +109,7 @@ class FieldTask(Task[ModelCfg]):
 
     def prepare(self, is_coordinator: bool) -> None:
         path = self.cfg.data.path
-        if is_coordinator and path is not None and not Path(path).exists():
+        if is_coordinator and path is not None and not data_exists(path):
             log.info("data.path %s is missing: making it now (as `spmd data make` would)", path)
             log.info(self.make_data())
 

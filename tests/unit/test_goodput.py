@@ -123,3 +123,15 @@ def test_a_long_lived_interpreter_starts_its_job_at_run_start():
     assert job_start({"time": 50, "process_start": 40, "run_start": 45}) == 40
     assert job_start({"time": 5000, "process_start": 40, "run_start": 4990}) == 4990
     assert job_start({"time": 50}) == 50
+
+
+def test_the_time_waited_for_data_is_summed_over_logged_steps():
+    events, metrics = three_jobs()
+    for r in metrics:
+        if "loss" in r:
+            r["input_wait_s"] = 0.1 * r["step_time_s"]   # 10% of every step waits for data
+    tp = build_ledger(events, metrics, batch_size=8).throughput
+    assert tp["input_wait_s"] == pytest.approx(0.1 * sum(r["step_time_s"] for r in metrics
+                                                         if "loss" in r))
+    assert tp["input_wait_fraction"] == pytest.approx(0.1)
+    assert "input_wait_s" not in build_ledger(*three_jobs(), batch_size=8).throughput

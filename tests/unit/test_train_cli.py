@@ -19,6 +19,7 @@ def test_train_writes_the_run_directory(run_dir):
     assert [m["step"] for m in train] == list(range(1, 13))  # updates done
     for m in train:
         assert m["step_time_s"] > 0 and m["samples_per_s"] > 0 and m["tokens_per_s"] > 0
+        assert 0 <= m["input_wait_s"] < 60   # seconds this step waited for its batch
     assert train[-1]["loss"] < train[0]["loss"]
     assert [m["step"] for m in evals] == [0, 6, 12]  # after 0, 6 and 12 updates
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())

@@ -1,0 +1,302 @@
+"""Array stores on disk: one file or directory holding named arrays, examples first.
+
+Formats (what `detect_format` sees on disk):
+- `hdf5`: an HDF5 file (h5py); dataset paths are HDF5 paths (`train/u0`).
+- `netcdf`: a NetCDF4 file (`.nc`, `.nc4`, `.cdf`, `.netcdf`), read through h5netcdf; a
+  variable `u0` in group `train` is the dataset path `train/u0`. NetCDF3 (classic) files are
+  not HDF5 and are refused with the command that converts them.
+- `zarr`: a Zarr store directory (`*.zarr`, or any directory with a `zarr.json`; v3, sharded
+  arrays included, and v2); arrays at the dataset paths, nested in groups.
+- `npy`: a directory of `<dataset path>.npy` files, memory-mapped.
+
+HDF5, NetCDF4 and Zarr arrays are chunked: slicing one example's slab reads only the chunks
+it touches. Every error names the file, the dataset path and the config key.
+
+`OPENED` counts the stores opened by this process (path -> opens): a test-visible hook.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from spmd.errors import SpmdError
+
+FORMATS = ("hdf5", "netcdf", "zarr", "npy")
+NETCDF_SUFFIXES = (".nc", ".nc4", ".cdf", ".netcdf")
+HDF5_SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
+ZARR_SUFFIX = ".zarr"
+ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs")
+
+OPENED: collections.Counter[str] = collections.Counter()
+
+
+class ArrayDataError(SpmdError):
+    """A dataset file, dataset path or shape that does not fit the task's batch fields."""
+
+
+def detect_format(path: Path) -> str:
+    """The store format of `path` by what is on disk (and its name)."""
+    path = Path(path)
+    if path.is_dir():
+        if path.suffix == ZARR_SUFFIX or any((path / m).exists() for m in ZARR_METADATA):
+            return "zarr"
+        return "npy"
+    return "netcdf" if path.suffix.lower() in NETCDF_SUFFIXES else "hdf5"
+
+
+def is_member_name(path: Path) -> bool:
+    """Whether a directory entry is a store of a multi-file dataset (by its name)."""
+    suffix = path.suffix.lower()
+    return suffix in HDF5_SUFFIXES + NETCDF_SUFFIXES or (suffix == ZARR_SUFFIX and path.is_dir())
+
+
+def fingerprint(path: Path) -> dict[str, int]:
+    """Size and modification time of a store: of the file, or (a directory store) summed
+    over its metadata files (Zarr) or its .npy files, so that a rewritten array shows."""
+    path = Path(path)
+    if not path.is_dir():
+        st = path.stat()
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    size = mtime = files = 0
+    zarr = detect_format(path) == "zarr"
+    for root, _, names in os.walk(path):
+        for name in names:
+            if (name in ZARR_METADATA) if zarr else name.endswith(".npy"):
+                st = os.stat(os.path.join(root, name))
+                size, mtime, files = size + st.st_size, max(mtime, st.st_mtime_ns), files + 1
+    return {"size": size, "mtime_ns": mtime, "files": files}
+
+
+class Store:
+    """An open store: `get(dataset, key)` returns an array-like (shape, dtype, slicing).
+
+    `where` prefixes every error (e.g. "data.path=/d/*.h5: file /d/part1.h5"); `format`
+    forces a format (None: detected).
+    """
+
+    def __init__(self, path: Path, where: str, format: str | None = None):
+        self.path, self.where = Path(path), where
+        if not self.path.exists():
+            raise ArrayDataError(
+                f"{where}: no such file or directory on this host (make it with `spmd data "
+                f"make CONFIG`; with several nodes it must be on a file system every rank sees)"
+            )
+        self.format = format or detect_format(self.path)
+        self._handle: Any = None
+        self._arrays: dict[str, Any] = {}
+        OPENED[str(self.path)] += 1
+        if self.format in ("hdf5", "netcdf"):
+            if self.path.is_dir() or not h5py.is_hdf5(self.path):
+                kind = "NetCDF4" if self.format == "netcdf" else "HDF5"
+                hint = (" (NetCDF3 classic files are not HDF5: convert with `nccopy -k nc4 "
+                        "IN OUT`)" if self.format == "netcdf" else
+                        " (nor a Zarr store or a directory of .npy files)")
+                raise ArrayDataError(f"{where}: not an {kind} file{hint}; the file was left "
+                                     f"unchanged")
+            self._handle = self._open_hdf5()
+        elif self.format == "zarr":
+            self._handle = open_zarr(self.path, where)
+        elif self.format != "npy":
+            raise ArrayDataError(f"{where}: unknown store format {self.format!r} (one of "
+                                 f"{list(FORMATS)})")
+
+    def _open_hdf5(self) -> Any:
+        def opener(**kw: Any) -> Any:
+            if self.format == "netcdf":
+                import h5netcdf
+
+                return h5netcdf.File(self.path, "r", phony_dims="access", **kw)
+            return h5py.File(self.path, "r", **kw)
+
+        kind = "NetCDF4" if self.format == "netcdf" else "HDF5"
+        try:
+            try:
+                return opener()
+            except OSError as e:   # file systems without flock (common on parallel ones)
+                if "lock" not in str(e).lower():
+                    raise
+                return opener(locking=False)
+        except (OSError, KeyError, RuntimeError, ValueError) as e:
+            raise ArrayDataError(f"{self.where}: cannot open the {kind} file "
+                                 f"({type(e).__name__}: {e}); it may be truncated or corrupt "
+                                 f"(left unchanged)") from None
+
+    def get(self, dataset: str, key: str) -> Any:
+        """The array at `dataset`, or an error naming file, dataset path and config key."""
+        if dataset not in self._arrays:
+            self._arrays[dataset] = self._find(dataset, key)
+        return self._arrays[dataset]
+
+    def _find(self, dataset: str, key: str) -> Any:
+        if self.format == "npy":
+            file = self.path / f"{dataset}.npy"
+            if not file.is_file():
+                raise ArrayDataError(f"{self.where}: dataset '{dataset}' ({key}) is missing: "
+                                     f"no file {file}; the directory has {self.datasets()}")
+            return np.load(file, mmap_mode="r")
+        kind = {"hdf5": "HDF5 dataset", "netcdf": "NetCDF variable",
+                "zarr": "Zarr array"}[self.format]
+        try:
+            node = self._lookup(dataset)
+        except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged header
+            raise ArrayDataError(
+                f"{self.where}: {kind} '{dataset}' ({key}) cannot be read "
+                f"({type(e).__name__}: {e}); the file may be truncated or corrupt "
+                f"(left unchanged)") from None
+        if node is None:
+            raise ArrayDataError(f"{self.where}: {kind} '{dataset}' ({key}) is missing; the "
+                                 f"file has {self.datasets()}")
+        return node
+
+    def _lookup(self, dataset: str) -> Any:
+        h = self._handle
+        if self.format == "hdf5":
+            node = h.get(dataset)
+            return node if isinstance(node, h5py.Dataset) else None
+        if self.format == "netcdf":
+            import h5netcdf
+
+            *groups, leaf = dataset.strip("/").split("/")
+            for g in groups:
+                if g not in h.groups:
+                    return None
+                h = h.groups[g]
+            node = h.variables.get(leaf) if leaf in h.variables else None
+            return node if isinstance(node, h5netcdf.Variable) else None
+        import zarr
+
+        try:
+            node = h.get(dataset)
+        except KeyError:
+            return None
+        return node if isinstance(node, zarr.Array) else None
+
+    def datasets(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every array of the store: dataset path -> (shape, dtype)."""
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        if self.format == "npy":
+            for p in sorted(self.path.rglob("*.npy")):
+                a = np.load(p, mmap_mode="r")
+                out[str(p.relative_to(self.path))[:-4]] = (tuple(a.shape), str(a.dtype))
+        elif self.format == "hdf5":
+            def visit(name: str, obj: Any) -> None:
+                if isinstance(obj, h5py.Dataset):
+                    out[name] = (tuple(obj.shape), str(obj.dtype))
+
+            self._handle.visititems(visit)
+        elif self.format == "netcdf":
+            def walk(group: Any, prefix: str) -> None:
+                for name, var in group.variables.items():
+                    out[prefix + name] = (tuple(var.shape), str(var.dtype))
+                for name, sub in group.groups.items():
+                    walk(sub, f"{prefix}{name}/")
+
+            walk(self._handle, "")
+        else:
+            import zarr
+
+            for name, node in self._handle.members(max_depth=None):
+                if isinstance(node, zarr.Array):
+                    out[name] = (tuple(node.shape), str(node.dtype))
+        return dict(sorted(out.items()))
+
+    def close(self) -> None:
+        self._arrays.clear()
+        if self._handle is not None and self.format in ("hdf5", "netcdf"):
+            self._handle.close()
+        self._handle = None
+
+
+def open_zarr(path: Path, where: str) -> Any:
+    """The root group of a Zarr store, read-only (tests may wrap this to count reads)."""
+    import zarr
+
+    try:
+        return zarr.open_group(str(path), mode="r")
+    except Exception as e:  # zarr raises several types for a damaged or foreign store
+        raise ArrayDataError(f"{where}: cannot open the Zarr store ({type(e).__name__}: "
+                             f"{e}); it may be incomplete or not a Zarr store") from None
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_arrays(path: Path, arrays: Mapping[str, np.ndarray],
+                 attrs: Mapping[str, Any] | None = None, *, format: str = "hdf5",
+                 chunks: Mapping[str, tuple[int, ...]] | None = None,
+                 shards: Mapping[str, tuple[int, ...]] | None = None) -> Path:
+    """Write `{dataset path: array}` as one store, atomically (a temporary name in the same
+    directory, renamed when complete): `hdf5` (default), `netcdf` (NetCDF4 through h5netcdf:
+    groups and variables, one dimension per axis), `zarr` (v3; `shards` gives sharded
+    arrays) or `npy` (a directory of .npy files, without attrs). Chunked formats take one
+    example per chunk unless `chunks` says."""
+    path = Path(path)
+    if any(c in str(path) for c in "*?["):
+        raise ArrayDataError(f"{path}: a glob names many files; a store is written to one "
+                             f"file or directory (give data.path a plain path to make data)")
+    if format not in FORMATS:
+        raise ValueError(f"write_arrays: format {format!r} is not one of {list(FORMATS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+    def chunk_of(name: str, value: np.ndarray) -> tuple[int, ...]:
+        return tuple((chunks or {}).get(name, (1, *value.shape[1:])))
+
+    try:
+        if format == "npy":
+            tmp.mkdir()
+            for name, value in arrays.items():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                np.save(tmp / f"{name}.npy", np.ascontiguousarray(value))
+        elif format == "hdf5":
+            with h5py.File(tmp, "w") as f:
+                f.attrs.update(dict(attrs or {}))
+                for name, value in arrays.items():
+                    f.create_dataset(name, data=value,   # HDF5 chunks need a non-empty array
+                                     chunks=chunk_of(name, value) if value.size else None)
+        elif format == "netcdf":
+            import h5netcdf
+
+            with h5netcdf.File(tmp, "w") as f:
+                f.attrs.update(dict(attrs or {}))
+                for name, value in arrays.items():
+                    *groups, leaf = name.strip("/").split("/")
+                    group = f
+                    for g in groups:
+                        group = group.groups[g] if g in group.groups else group.create_group(g)
+                    dims = tuple(f"{leaf}_{i}" for i in range(value.ndim))
+                    group.dimensions.update(dict(zip(dims, value.shape)))
+                    group.create_variable(leaf, dims, value.dtype, data=value,
+                                          chunks=chunk_of(name, value) if value.size else None)
+        else:
+            import zarr
+
+            root = zarr.open_group(str(tmp), mode="w")
+            root.attrs.update(json.loads(json.dumps(dict(attrs or {}), default=_plain)))
+            for name, value in arrays.items():
+                shard = (shards or {}).get(name)
+                array = root.create_array(name, shape=value.shape, dtype=value.dtype,
+                                          chunks=chunk_of(name, value),
+                                          shards=tuple(shard) if shard else None)
+                array[...] = value
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else str(value)
