@@ -101,6 +101,13 @@ class TrainConfig(_Section):
     microbatches: int = Field(1, ge=1)
     pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
     pipeline_repeats: int = Field(1, ge=1)
+    # Gradient accumulation: each global batch is split into this many sequential
+    # microbatches inside the jitted step (gradients summed in float32), one update.
+    grad_accum: int = Field(1, ge=1)
+    # An exponential moving average of the parameters kept in the train state (sharded like
+    # them, checkpointed); eval_ema: evaluate with it. null: no EMA.
+    ema_decay: float | None = Field(None, gt=0, lt=1)
+    eval_ema: bool = False
 
 
 class DataConfig(_Section):
@@ -145,6 +152,9 @@ class CheckpointConfig(_Section):
     # A local-tier save that fails (full or broken node-local disk): `continue` logs it and
     # trains on, saving to the persistent tier; `stop` ends the run as any failed save does.
     local_failure: Literal["continue", "stop"] = "continue"
+    # Restore the parameters only (a fresh optimizer state and step 0): the way to resume
+    # with a different optimizer.name.
+    params_only: bool = False
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
