@@ -44,7 +44,7 @@ LADDER = {
     "125m": (12, 768, 16, 1024),
 }
 TINY = (2, 128, 4, 64)         # any backend: the CI size (head dim 32, vocab 256)
-COMMON = ["model.dtype=bfloat16", "mesh.strategy=dp", "train.warmup_steps=0"]
+COMMON = ["model.dtype=bfloat16", "mesh.strategy=dp", "schedule.warmup_steps=0"]
 
 
 def size_overrides(name: str, seq: int | None, batch: int | None) -> list[str]:
@@ -107,11 +107,11 @@ def plain_pair(rt, state):
     import numpy as np
     from plain_lm import make_step
 
-    m, t = rt.cfg.model, rt.cfg.train
+    m, o = rt.cfg.model, rt.cfg.optimizer
     attention = _attention_of(rt)
     tx, step = make_step(dtype=jax.numpy.dtype(m.dtype), attention=attention, remat=m.remat,
-                         lr=t.lr,
-                         weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                         lr=o.lr,
+                         weight_decay=o.weight_decay, grad_clip=o.grad_clip,
                          loss_chunk=m.loss_chunk)
     params = jax.tree.map(lambda x: jax.device_put(np.asarray(x), x.sharding), state.params)
     opt_state = jax.jit(tx.init)(params)

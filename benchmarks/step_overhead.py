@@ -4,6 +4,7 @@
     python benchmarks/step_overhead.py --short    # CI smoke test: seconds, never fails on timing
     python benchmarks/step_overhead.py --cases tensorboard   # the TensorBoard tracker's cost
     python benchmarks/step_overhead.py --cases stragglers    # straggler gather + finite checks
+    python benchmarks/step_overhead.py --cases recipe        # grad accumulation + EMA + clipping
 
 Two cases: a dispatch-bound tiny transformer (reported as microseconds added per
 step) and a compute-bound one (>= 20 ms per step here; target: median ratio <= 1.03).
@@ -12,6 +13,12 @@ in/out shardings built by hand and `donate_argnums`. Both steps start from the s
 parameter values (the baseline's first loss must equal spmd's), are fed the same
 device-resident batch, and are timed in interleaved repetitions (AB, BA, ...) of K
 steps each, blocking on the results at the end of every repetition.
+
+`--cases recipe` (run_recipe_case): spmd's step with a training recipe (train.grad_accum=4
+microbatches accumulated in float32 by a scan, train.ema_decay=0.999, gradient clipping in
+the optimizer chain) against the same recipe hand-written in plain JAX + optax (the same
+`rt.tx`, a hand-written scan over microbatches, a hand-written EMA), compute-bound model at
+batch 64; target: median paired ratio <= 1.03.
 
 `--cases stragglers` (run_stragglers_case): the training loop's step, its metrics hook
 logging every step (run.log_every=1: a straggler check at every step, the worst case), with
@@ -76,20 +83,34 @@ TRACKER_TARGET = 1.01
 STRAGGLER_CASE = ("stragglers", COMPUTE, 0, 5, 60, 3)
 STRAGGLER_SHORT = (TINY, 1, 5)   # --short: model, devices, steps per rep
 STRAGGLER_TARGET = 1.01
+# spmd's step with a training recipe (train.grad_accum=4, train.ema_decay, gradient clipping)
+# against the same recipe hand-written in plain JAX/optax; compute-bound model, batch 64
+# (full), the tiny one on 1 device (--short); target <= 1.03 (TARGET_RATIO).
+# (name, model overrides, devices (0 = --devices), steps per rep, reps full, reps short)
+RECIPE = ["train.grad_accum=4", "train.ema_decay=0.999"]
+RECIPE_CASE = ("recipe", [*COMPUTE, "train.batch_size=64"], 0, 2, 60, 3)
+RECIPE_SHORT = (TINY, 1, 2)   # --short: model, devices, steps per rep
 
 
 # ------------------------------------------------------------------ plain-JAX baseline
 
 
-def baseline_program(cfg, mesh_devices, strategy: str):
-    """The hand-written step: plain functions on a params pytree, optax, explicit shardings."""
+def baseline_program(cfg, mesh_devices, strategy: str, *, tx=None, grad_accum: int = 1,
+                     ema_decay: float | None = None):
+    """The hand-written step: plain functions on a params pytree, optax, explicit shardings.
+
+    With `grad_accum` K > 1 or `ema_decay` (the recipe case): the step takes and returns an
+    EMA too, `(params, opt_state, ema, batch) -> (params, opt_state, ema, metrics)`, and
+    accumulates float32 gradients over K microbatches with a hand-written `lax.scan`
+    (microbatch j: rows j, j + K, ... of every device's own rows). `tx`: the optax
+    transformation to use (default: spmd's default recipe built here from the config)."""
     import jax
     import jax.numpy as jnp
     import optax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    m, t = cfg.model, cfg.train
+    m, o, w = cfg.model, cfg.optimizer, cfg.schedule.warmup_steps
     dtype = jnp.dtype(m.dtype)
     axis = {"dp": "data", "fsdp": "fsdp"}[strategy]
     mesh = jax.make_mesh((len(mesh_devices),), (axis,), axis_types=(AxisType.Auto,),
@@ -146,10 +167,12 @@ def baseline_program(cfg, mesh_devices, strategy: str):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
         return loss, jnp.mean(jnp.argmax(logits, -1) == batch["targets"])
 
-    schedule = (optax.linear_schedule(0.0, t.lr, t.warmup_steps) if t.warmup_steps
-                else optax.constant_schedule(t.lr))
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip else []
-    tx = optax.chain(*parts, optax.adamw(schedule, weight_decay=t.weight_decay))
+    # spmd's default recipe (adamw, constant schedule with warm-up; the configs benchmarked
+    # set no weight decay, so no mask)
+    if tx is None:
+        schedule = (optax.linear_schedule(0.0, o.lr, w) if w else optax.constant_schedule(o.lr))
+        parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip else []
+        tx = optax.chain(*parts, optax.adamw(schedule, weight_decay=o.weight_decay))
 
     def train_step(params, opt_state, batch):
         (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
@@ -158,7 +181,33 @@ def baseline_program(cfg, mesh_devices, strategy: str):
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "accuracy": accuracy}
         return params, opt_state, metrics
 
-    return mesh, spec_of, tx, train_step
+    if grad_accum == 1 and ema_decay is None:
+        return mesh, spec_of, tx, train_step
+
+    k, decay = grad_accum, ema_decay if ema_decay is not None else 0.0
+    micro_sharding = NamedSharding(mesh, P(None, axis, None))
+
+    def recipe_step(params, opt_state, ema, batch):
+        micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), micro_sharding),
+            batch)
+
+        def body(acc, mb):
+            (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (
+                loss, accuracy)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        acc, (losses, accuracies) = jax.lax.scan(body, zeros, micro)
+        grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
+        metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads),
+                   "accuracy": accuracies.mean()}
+        return params, opt_state, ema, metrics
+
+    return mesh, spec_of, tx, recipe_step
 
 
 def to_baseline_params(p: dict) -> dict:
@@ -478,6 +527,79 @@ def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
             "monitor_us_per_step": round(monitor_us, 2)}
 
 
+def run_recipe_case(overrides: list[str], num_devices: int, steps: int, reps: int) -> dict:
+    """spmd's train step with RECIPE against the hand-written recipe step (interleaved reps).
+
+    Both use the same optax transformation (`rt.tx`: clipping + AdamW as configured), start
+    from the same parameters (the first losses must agree) and are fed the same batch; the
+    baseline is `baseline_program(..., grad_accum=, ema_decay=)`, donating params, optimizer
+    state and EMA.
+    """
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
+
+    cfg = load_config(CONFIG, ["mesh.strategy=dp", "model.scan_layers=false",
+                               "model.attention=xla", *overrides, *RECIPE])
+    t = cfg.train
+    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    batch = rt.feed.global_batch(rt.task.train_source(), 0)
+    spmd_state = rt.init()
+    mesh, spec_of, tx, step_fn = baseline_program(cfg, list(rt.mesh.devices.flat), "dp",
+                                                  tx=rt.tx, grad_accum=t.grad_accum,
+                                                  ema_decay=t.ema_decay)
+    host = to_baseline_params(jax.device_get(spmd_state.params))
+    param_shardings = jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, spec_of(jax.tree_util.keystr(path, simple=True,
+                                                                         separator="/"))),
+        host)
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, host), param_shardings,
+        transform_non_params=lambda _: replicated)
+    plain = jax.jit(step_fn,
+                    in_shardings=(param_shardings, opt_shardings, param_shardings,
+                                  NamedSharding(mesh, P(mesh.axis_names[0], None))),
+                    out_shardings=(param_shardings, opt_shardings, param_shardings, replicated),
+                    donate_argnums=(0, 1, 2))
+    params = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), host, param_shardings)
+    ema = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), host, param_shardings)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+
+    spmd_state, spmd_metrics = rt.train_step(spmd_state, batch)
+    params, opt_state, ema, plain_metrics = plain(params, opt_state, ema, batch)
+    a, b = float(spmd_metrics["loss"]), float(plain_metrics["loss"])
+    if not np.isclose(a, b, rtol=1e-5):
+        raise AssertionError(f"recipe: first losses differ: spmd {a} vs hand-written {b}")
+    box = {"spmd": spmd_state, "off": (params, opt_state, ema)}
+
+    def run_spmd() -> None:
+        state = box["spmd"]
+        for _ in range(steps):
+            state, metrics = rt.train_step(state, batch)
+        jax.block_until_ready((state, metrics))
+        box["spmd"] = state
+
+    def run_plain() -> None:
+        state = box["off"]
+        for _ in range(steps):
+            *state, metrics = plain(*state, batch)
+        jax.block_until_ready((state, metrics))
+        box["off"] = tuple(state)
+
+    times = interleaved({"spmd": run_spmd, "off": run_plain}, reps=reps, warmup=1)
+    return {**paired_result("recipe", "spmd", times, steps, reps, rt, cfg),
+            "recipe": {"grad_accum": t.grad_accum, "ema_decay": t.ema_decay,
+                       "optimizer": "the runtime's optax chain (clipping + AdamW)"},
+            "off_is": "the same recipe hand-written in plain JAX + optax"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true",
@@ -487,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions per case")
     parser.add_argument("--cases", default=None,
                         help=f"comma-separated subset of {', '.join(CASES)}, tensorboard, "
-                             f"stragglers (default: all; --short: {', '.join(SHORT_CASES)})")
+                             f"stragglers, recipe (default: all; --short: "
+                             f"{', '.join(SHORT_CASES)})")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -495,8 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = "short" if args.short else "full"
     results = []
     names = args.cases.split(",") if args.cases else list(
-        SHORT_CASES if args.short else (*CASES, TRACKER_CASE[0], STRAGGLER_CASE[0]))
-    tracker = stragglers = None
+        SHORT_CASES if args.short else (*CASES, TRACKER_CASE[0], STRAGGLER_CASE[0],
+                                        RECIPE_CASE[0]))
+    tracker = stragglers = recipe = None
     for name in names:
         if name == STRAGGLER_CASE[0]:
             _, overrides, devices, steps, reps_full, reps_short = STRAGGLER_CASE
@@ -505,6 +629,13 @@ def main(argv: list[str] | None = None) -> int:
             stragglers = run_stragglers_case(
                 overrides, devices or args.devices, steps,
                 args.reps or (reps_short if args.short else reps_full))
+            continue
+        if name == RECIPE_CASE[0]:
+            _, overrides, devices, steps, reps_full, reps_short = RECIPE_CASE
+            if args.short:
+                overrides, devices, steps = RECIPE_SHORT
+            recipe = run_recipe_case(overrides, devices or args.devices, steps,
+                                     args.reps or (reps_short if args.short else reps_full))
             continue
         if name == TRACKER_CASE[0]:
             _, overrides, devices, steps, reps_full = TRACKER_CASE
@@ -546,6 +677,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['added_us']['median']:+.1f} us/step: {tracker['verdict']} vs target <= "
               f"{TRACKER_TARGET}")
         results.append(tracker)
+    if recipe is not None:
+        t, q = recipe, recipe["paired_ratio"]
+        lo, hi = recipe["paired_ratio_ci95"]
+        t["verdict"] = None if args.short else (
+            "PASS" if q["median"] <= TARGET_RATIO else "FAIL")
+        print(f"recipe (grad_accum={t['recipe']['grad_accum']}, ema_decay="
+              f"{t['recipe']['ema_decay']}, clipping; {t['model']}, {t['devices']} devices): "
+              f"hand-written {t['off_ms']['median']:.3f} ms/step, spmd "
+              f"{t['spmd_ms']['median']:.3f} ms/step; paired ratio {q['median']:.4f} [IQR "
+              f"{q['q1']:.4f}-{q['q3']:.4f}] (95% CI {lo:.4f}-{hi:.4f}), added "
+              f"{t['added_us']['median']:+.1f} us/step: "
+              f"{t['verdict'] or 'short mode, no target checked'} vs target <= {TARGET_RATIO}")
+        results.append(recipe)
     if stragglers is not None:
         t, q = stragglers, stragglers["paired_ratio"]
         lo, hi = stragglers["paired_ratio_ci95"]
@@ -577,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
             print("short mode: timings are a smoke test, no target is checked")
     print(json_line({"benchmark": "step_overhead", "mode": mode, "verdict": verdict,
                      "target_ratio": TARGET_RATIO, "machine": info, "results": results}))
-    return 1 if verdict == "FAIL" else 0
+    failed = verdict == "FAIL" or (recipe is not None and recipe["verdict"] == "FAIL")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

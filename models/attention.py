@@ -58,14 +58,15 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
 class Attention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, rotary: bool, rngs: nnx.Rngs, dtype,
-                 implementation: Implementation = "xla"):
+                 implementation: Implementation = "xla", param_dtype=jnp.float32):
         head_dim = d_model // num_heads
         qkv = ("embed", "heads", "kv")
-        self.query = param(rngs.params(), default_init, (d_model, num_heads, head_dim), qkv)
-        self.key = param(rngs.params(), default_init, (d_model, num_heads, head_dim), qkv)
-        self.value = param(rngs.params(), default_init, (d_model, num_heads, head_dim), qkv)
+        shape = (d_model, num_heads, head_dim)
+        self.query = param(rngs.params(), default_init, shape, qkv, dtype=param_dtype)
+        self.key = param(rngs.params(), default_init, shape, qkv, dtype=param_dtype)
+        self.value = param(rngs.params(), default_init, shape, qkv, dtype=param_dtype)
         self.out = param(rngs.params(), default_init, (num_heads, head_dim, d_model),
-                         ("heads", "kv", "embed"))
+                         ("heads", "kv", "embed"), dtype=param_dtype)
         self.rotary = rotary
         self.dtype = dtype
         self.implementation = implementation

@@ -25,8 +25,8 @@ HIDDEN = ("batch", "x", "y", "channels")   # lifted fields: `width` channels
 
 
 def _uniform(scale: float):
-    def init(key, shape, dtype=jnp.float32):
-        return scale * jax.random.uniform(key, shape, dtype)
+    def init(key, shape, dtype=jnp.float32):   # drawn in float32, then stored in `dtype`
+        return (scale * jax.random.uniform(key, shape, jnp.float32)).astype(dtype)
 
     return init
 
@@ -35,13 +35,15 @@ class Pointwise(nnx.Module):
     """A per-grid-point linear map over channels, with bias (a 1x1 convolution)."""
 
     def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, in_axis: str | None = None,
-                 out_axis: str | None = "channels", dtype=jnp.float32):
+                 out_axis: str | None = "channels", dtype=jnp.float32,
+                 param_dtype=jnp.float32):
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "uniform")
-        self.kernel = param(rngs.params(), init, (d_in, d_out), (in_axis, out_axis))
+        self.kernel = param(rngs.params(), init, (d_in, d_out), (in_axis, out_axis),
+                            dtype=param_dtype)
         bound = 1.0 / d_in**0.5
-        self.bias = param(rngs.params(), lambda k, s: jax.random.uniform(k, s, jnp.float32,
-                                                                         -bound, bound),
-                          (d_out,), (out_axis,))
+        self.bias = param(rngs.params(), lambda k, s, dtype: jax.random.uniform(
+            k, s, jnp.float32, -bound, bound).astype(dtype), (d_out,), (out_axis,),
+            dtype=param_dtype)
         self.dtype = dtype
 
     def __call__(self, h: jax.Array) -> jax.Array:
@@ -56,18 +58,20 @@ class SpectralConv2d(nnx.Module):
     (2 corners, in, out, modes_x, modes_y).
     """
 
-    def __init__(self, d_in: int, d_out: int, modes: int, *, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, modes: int, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
         shape = (2, d_in, d_out, modes, modes)
         axes = (None, None, "channels", "modes", None)
         init = _uniform(1.0 / (d_in * d_out))
-        self.weight_real = param(rngs.params(), init, shape, axes)
-        self.weight_imag = param(rngs.params(), init, shape, axes)
+        self.weight_real = param(rngs.params(), init, shape, axes, dtype=param_dtype)
+        self.weight_imag = param(rngs.params(), init, shape, axes, dtype=param_dtype)
         self.modes = modes
 
     def __call__(self, h: jax.Array) -> jax.Array:  # h: (batch, x, y, channels), real
         _, gx, gy, _ = h.shape
         fx, fy, ix, iy = dft_matrices(gx, gy, self.modes)
-        w = jax.lax.complex(self.weight_real[...], self.weight_imag[...])
+        w = jax.lax.complex(self.weight_real[...].astype(jnp.float32),
+                            self.weight_imag[...].astype(jnp.float32))
         w = jnp.concatenate([w[0], w[1]], axis=2)                # (in, out, 2m, m): both x halves
         h = h.astype(jnp.float32)
         h_ft = jnp.einsum("bxyc,ky->bxkc", h, fy)                 # y -> ky (rfft, kept modes)
@@ -96,9 +100,11 @@ def dft_matrices(gx: int, gy: int, modes: int):
 
 
 class FourierLayer(nnx.Module):
-    def __init__(self, width: int, modes: int, *, activation: bool, rngs: nnx.Rngs, dtype):
-        self.spectral = SpectralConv2d(width, width, modes, rngs=rngs)
-        self.pointwise = Pointwise(width, width, rngs=rngs, dtype=dtype)
+    def __init__(self, width: int, modes: int, *, activation: bool, rngs: nnx.Rngs, dtype,
+                 param_dtype=jnp.float32):
+        self.spectral = SpectralConv2d(width, width, modes, rngs=rngs, param_dtype=param_dtype)
+        self.pointwise = Pointwise(width, width, rngs=rngs, dtype=dtype,
+                                   param_dtype=param_dtype)
         self.activation = activation
 
     def __call__(self, h: jax.Array) -> jax.Array:
@@ -113,15 +119,17 @@ class FNO2d(nnx.Module):
     """
 
     def __init__(self, *, in_channels: int, out_channels: int, width: int, modes: int,
-                 num_layers: int, projection: int, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.lift = Pointwise(in_channels + 2, width, rngs=rngs, dtype=dtype)
+                 num_layers: int, projection: int, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        pd = {"dtype": dtype, "param_dtype": param_dtype}
+        self.lift = Pointwise(in_channels + 2, width, rngs=rngs, **pd)
         self.layers = nnx.List([
-            FourierLayer(width, modes, activation=i < num_layers - 1, rngs=rngs, dtype=dtype)
+            FourierLayer(width, modes, activation=i < num_layers - 1, rngs=rngs, **pd)
             for i in range(num_layers)
         ])
-        self.project = Pointwise(width, projection, rngs=rngs, dtype=dtype)
+        self.project = Pointwise(width, projection, rngs=rngs, **pd)
         self.output = Pointwise(projection, out_channels, rngs=rngs, in_axis="channels",
-                                out_axis=None, dtype=dtype)
+                                out_axis=None, **pd)
         self.dtype = dtype
 
     def __call__(self, a: jax.Array) -> jax.Array:

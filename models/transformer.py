@@ -27,9 +27,12 @@ ACT = ("batch", "length", "embed")
 
 
 class FeedForward(nnx.Module):
-    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype):
-        self.up = Dense(d_model, d_ff, ("embed", "mlp"), rngs=rngs, dtype=dtype)
-        self.down = Dense(d_ff, d_model, ("mlp", "embed"), rngs=rngs, dtype=dtype)
+    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype,
+                 param_dtype=jnp.float32):
+        self.up = Dense(d_model, d_ff, ("embed", "mlp"), rngs=rngs, dtype=dtype,
+                        param_dtype=param_dtype)
+        self.down = Dense(d_ff, d_model, ("mlp", "embed"), rngs=rngs, dtype=dtype,
+                          param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = constrain(jax.nn.gelu(self.up(x)), ("batch", "length", "mlp"), name="mlp/hidden")
@@ -38,12 +41,12 @@ class FeedForward(nnx.Module):
 
 class DecoderBlock(nnx.Module):
     def __init__(self, d_model, num_heads, d_ff, *, rotary: bool, rngs: nnx.Rngs, dtype,
-                 attention: Implementation = "xla"):
-        self.attn_norm = RMSNorm(d_model, rngs=rngs)
+                 attention: Implementation = "xla", param_dtype=jnp.float32):
+        self.attn_norm = RMSNorm(d_model, rngs=rngs, param_dtype=param_dtype)
         self.attn = Attention(d_model, num_heads, rotary=rotary, rngs=rngs, dtype=dtype,
-                              implementation=attention)
-        self.mlp_norm = RMSNorm(d_model, rngs=rngs)
-        self.mlp = FeedForward(d_model, d_ff, rngs=rngs, dtype=dtype)
+                              implementation=attention, param_dtype=param_dtype)
+        self.mlp_norm = RMSNorm(d_model, rngs=rngs, param_dtype=param_dtype)
+        self.mlp = FeedForward(d_model, d_ff, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x)).astype(x.dtype)
@@ -58,24 +61,27 @@ class TransformerLM(nnx.Module):
     def __init__(self, *, num_layers: int, d_model: int, num_heads: int, d_ff: int,
                  vocab_size: int, seq_len: int, positions: str = "rotary",
                  rngs: nnx.Rngs, dtype=jnp.float32, scan_layers: bool = True,
-                 remat: Remat = "none", attention: Implementation = "xla"):
+                 remat: Remat = "none", attention: Implementation = "xla",
+                 param_dtype=jnp.float32):
         embed_init = nnx.initializers.normal(stddev=1.0)
-        self.embedding = param(rngs.params(), embed_init, (vocab_size, d_model), ("vocab", "embed"))
+        self.embedding = param(rngs.params(), embed_init, (vocab_size, d_model),
+                               ("vocab", "embed"), dtype=param_dtype)
         self.position = (
             param(rngs.params(), nnx.initializers.normal(0.02), (seq_len, d_model),
-                  ("length", "embed"))
+                  ("length", "embed"), dtype=param_dtype)
             if positions == "learned" else None
         )
         blocks = [
             DecoderBlock(d_model, num_heads, d_ff, rotary=positions == "rotary", rngs=rngs,
-                         dtype=dtype, attention=attention)
+                         dtype=dtype, attention=attention, param_dtype=param_dtype)
             for _ in range(num_layers)
         ]
         self.scan_layers = scan_layers
         self.remat = remat
         self.blocks = stack_layers(blocks) if scan_layers else nnx.List(blocks)
-        self.final_norm = RMSNorm(d_model, rngs=rngs)
-        self.unembed = Dense(d_model, vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dtype)
+        self.final_norm = RMSNorm(d_model, rngs=rngs, param_dtype=param_dtype)
+        self.unembed = Dense(d_model, vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dtype,
+                             param_dtype=param_dtype)
 
     def layer(self, index: int) -> nnx.Module:
         """Block `index` as an ordinary block, whichever way the blocks are stored."""

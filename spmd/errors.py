@@ -16,7 +16,7 @@ class ExitCode(IntEnum):
     USER_ERROR = 2      # a config, launch, sharding or lease problem; the message names it
     DOES_NOT_FIT = 3    # `spmd plan`: the run does not fit the devices' memory
     NONFINITE = 65      # EX_DATAERR: a non-finite loss or gradient norm stopped the run
-    #                     (train.nonfinite); nothing non-finite was saved: lower train.lr, rerun
+    #                     (train.nonfinite); nothing non-finite was saved: lower optimizer.lr, rerun
     ORPHANED = 69       # EX_UNAVAILABLE: the launcher or a peer rank of this rank is gone
     LEASE_LOST = 73     # EX_CANTCREAT: another run took over this run directory's lease
     PREEMPTED = 75      # EX_TEMPFAIL: stopped for preemption after a save; requeue and resume

@@ -94,6 +94,10 @@ class Plan:
     # (S - 1) / (M + S - 1), per-stage bytes of the stacked layers, and the stage-to-stage
     # transfers (the collective-permutes of the compiled step). None without stages.
     pipeline: dict | None = None
+    # train.grad_accum: microbatches per step run one after another (the temporary bytes,
+    # activations of one microbatch, fall with it); ema: the state keeps an EMA of the params
+    grad_accum: int = 1
+    ema_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -151,13 +155,16 @@ class Plan:
         rows = [
             ("parameters", self.param_bytes, "from shardings"),
             ("optimizer state", self.optimizer_bytes, "from shardings"),
-            ("other state (step, rng)", self.other_state_bytes, "from shardings"),
+            ("other state (step, rng" + (", ema)" if self.ema_bytes else ")"),
+             self.other_state_bytes, "from shardings"),
             ("batch", self.batch_bytes, "from shardings"),
             ("arguments", self.argument_bytes, f"{by}: state + batch"),
             ("outputs", self.output_bytes, f"{by}: new state + metrics"),
             ("aliased (donated)", self.alias_bytes, f"{by}: outputs reusing arguments"),
             ("resident", self.resident_bytes, "arguments + outputs - aliased"),
-            ("temporary", self.temp_bytes, f"{by}: activations, gradients, scratch"),
+            ("temporary", self.temp_bytes, f"{by}: activations, gradients, scratch"
+             + (f" (one of {self.grad_accum} accumulated microbatches)"
+                if self.grad_accum > 1 else "")),
             ("peak", self.peak_bytes, "resident + temporary + code"),
         ]
         lines += [f"  {name:<25}{human(value):>12}{value:>17,}  {note}"
@@ -369,7 +376,8 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
         num_devices=n, system=name, device_memory_bytes=memory, mem_fraction=fraction,
         param_bytes=per_device_bytes(state.params),
         optimizer_bytes=per_device_bytes(state.opt_state),
-        other_state_bytes=per_device_bytes(state.step) + per_device_bytes(state.rng),
+        other_state_bytes=(per_device_bytes(state.step) + per_device_bytes(state.rng)
+                           + per_device_bytes(state.ema)),
         batch_bytes=per_device_bytes(rt.abstract_batch()),
         argument_bytes=int(mem.argument_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes),
@@ -387,6 +395,7 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
                       for p in rt.model.report.params
                       if p.logical_axes[:1] == ("layers",)],
         pipeline=_pipeline_figures(rt, collectives),
+        grad_accum=cfg.train.grad_accum, ema_bytes=per_device_bytes(state.ema),
     )
 
 

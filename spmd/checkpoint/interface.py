@@ -36,6 +36,13 @@ class Checkpointer(Protocol):
         them; such a checkpoint restores with those fields None, named in `Restored.missing`.
         """
 
+    def newest_step(self) -> int | None:
+        """Collective: the newest committed step of either tier (None: no checkpoint)."""
+
+    def restore_params(self, abstract_params: Any) -> Restored | None:
+        """Collective: the parameters alone of the newest committed step (`Restored.state` is
+        the params tree), for checkpoint.params_only; None if there is no checkpoint."""
+
     def maybe_save(self, step: int, state: Any, *, force: bool = False,
                    finished: bool = False) -> None:
         """Offer the state after `step` completed steps; saves when a tier is due (or forced).
@@ -57,6 +64,12 @@ class NullCheckpointer:
     checkpoint.final is false."""
 
     def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
+        return None
+
+    def newest_step(self) -> int | None:
+        return None
+
+    def restore_params(self, abstract_params: Any) -> Restored | None:
         return None
 
     def maybe_save(self, step: int, state: Any, *, force: bool = False,

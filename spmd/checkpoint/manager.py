@@ -24,10 +24,11 @@ Invariants
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,9 @@ from spmd.checkpoint.coordination import CheckpointCoordinator, CheckpointTimeou
 from spmd.checkpoint.finite import params_finite
 from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import SaveLayout
+from spmd.checkpoint.listing import scan_local
 from spmd.checkpoint.local import LocalTier, partner_map
+from spmd.checkpoint.params_reader import ParamsCheckpoint, find_checkpoints, read_params
 from spmd.checkpoint.persistent import (
     MANIFEST,
     PARAMS,
@@ -104,6 +107,20 @@ class _Worker:
         err, self._error = self._error, None
         if err is not None:
             raise err
+
+
+def optional_subsets(state: Any, optional: Sequence[str]) -> list[tuple[str, ...]]:
+    """Non-empty subsets of the `optional` fields `state` has (not None), fewest first: the
+    fields a local copy may have been saved without."""
+    present = [n for n in optional if _field(state, n) is not None]
+    return [c for r in range(1, len(present) + 1)
+            for c in itertools.combinations(present, r)]
+
+
+def _field(state: Any, name: str) -> Any:
+    if isinstance(state, Mapping):
+        return state.get(name)
+    return getattr(state, name, None)
 
 
 def _newer_persistent(persistent: PersistentTier, step: int) -> dict:
@@ -205,14 +222,18 @@ class HierarchicalCheckpointer:
     def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
         layout = self._layout_of(abstract_state)
         buffers = self.snapshotter.buffers.arrays if self.snapshotter.buffers else {}
-        older = None
-        if optional and self.local is not None:  # local copies saved without those fields
-            older = SaveLayout.build(without_fields(abstract_state, optional), self.size,
-                                     self.dedupe)
-            if older.signature == layout.signature:
-                older = None
+        variants: list[tuple[tuple[str, ...], SaveLayout]] = []
+        if optional and self.local is not None:  # local copies saved without some of them
+            seen = {layout.signature}
+            for left_out in optional_subsets(abstract_state, optional):
+                variant = SaveLayout.build(without_fields(abstract_state, left_out), self.size,
+                                           self.dedupe)
+                if variant.signature not in seen:
+                    seen.add(variant.signature)
+                    variants.append((left_out, variant))
         ctx = RestoreContext(self.rank, self.size, self._main, layout, self.local,
-                             self.persistent, self.transport, self._emit, buffers, older)
+                             self.persistent, self.transport, self._emit, buffers,
+                             variants=variants)
         restored = plan_restore(ctx, abstract_state, optional)
         if restored is None:
             return None
@@ -246,6 +267,58 @@ class HierarchicalCheckpointer:
             if step in self.persistent.committed_steps():
                 self._last["persistent"] = step
         return restored
+
+    def newest_step(self) -> int | None:
+        """Collective: the newest committed step of either tier that any rank sees (None:
+        no checkpoint), as every rank's vote agreed by rank 0."""
+        vote: dict[str, Any] = {"steps": []}
+        if self.local is not None:
+            vote["steps"] = [s.step for s in scan_local(self.local.root) if s.committed]
+        if self.rank == 0 and self.persistent is not None:
+            vote["steps"] += self.persistent.committed_steps(reload=True)
+        decision = self._main.agree(
+            "list the committed checkpoints", vote,
+            lambda votes: {"newest": max((s for v in votes for s in v["steps"]), default=None)})
+        return decision["newest"]
+
+    def restore_params(self, abstract_params: Any) -> Restored | None:
+        """Collective: the parameters alone of the newest committed step, onto
+        `abstract_params`' shardings (checkpoint.params_only: the optimizer state, whatever
+        its structure, is not read). None: no checkpoint.
+
+        The persistent tier's `params` item (checked against its manifest) unless the local
+        tier has a newer step whose every rank copy each rank can read (node-local storage
+        seen whole: one node, or a shared checkpoint.local_dir)."""
+        t_start = time.perf_counter()
+        vote: dict[str, Any] = {"local": []}
+        if self.local is not None:
+            vote["local"] = [c.step for c in find_checkpoints(None, self.local.root)]
+        if self.rank == 0 and self.persistent is not None:
+            vote["persistent"] = self.persistent.committed_steps(reload=True)
+
+        def decide(votes: list[dict]) -> dict:
+            local = set.intersection(*(set(v["local"]) for v in votes))
+            persistent = votes[0].get("persistent", [])
+            newest_local, newest_persistent = max(local, default=-1), max(persistent, default=-1)
+            if max(newest_local, newest_persistent) < 0:
+                return {"tier": None}
+            if newest_persistent >= newest_local:
+                return {"tier": "persistent", "step": newest_persistent}
+            return {"tier": "local", "step": newest_local}
+
+        plan = self._main.agree("choose the checkpoint to read parameters from", vote, decide)
+        if plan["tier"] is None:
+            return None
+        step, tier = int(plan["step"]), plan["tier"]
+        root = self.persistent.step_dir(step) if tier == "persistent" else (
+            self.local.root / str(step))   # type: ignore[union-attr]
+        ckpt = ParamsCheckpoint(step, tier, root)
+        params = jax.block_until_ready(read_params(ckpt, abstract_params))
+        self._last[tier] = step   # that step is on disk already (with the older state)
+        seconds = time.perf_counter() - t_start
+        return Restored(step=step, state=params, source=tier,
+                        detail=f"parameters only (checkpoint.params_only) of {ckpt.describe()}",
+                        timings={"total_s": seconds})
 
     # ---------------------------------------------------------------- save
 

@@ -12,7 +12,9 @@ disk), onto whatever devices are at hand (one CPU device in a notebook, or the r
   arrays, then placed on the target shardings. Only a step whose every rank is present on
   this machine's view of `checkpoint.local_dir` can be read this way.
 
-The newest step of either tier is chosen unless a step is asked for.
+The newest step of either tier is chosen unless a step is asked for. `field="ema"` reads the
+EMA of the parameters instead (a run with train.ema_decay: the `ema` subtree of the persistent
+`train_state` item, the `ema/...` pieces of the local tier), shaped like the parameters.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from spmd.checkpoint.local import DATA, INDEX, MARKER, rank_name
 from spmd.checkpoint.persistent import (
     LEGACY_ITEM,
     PARAMS,
+    TRAIN_STATE,
     read_manifest,
     restore_args,
     verify_files,
@@ -84,40 +87,67 @@ def choose_checkpoint(found: list[ParamsCheckpoint], step: int | None,
     return at[-1]
 
 
-def read_params(ckpt: ParamsCheckpoint, target: Any, *, verify: bool = True) -> Any:
+def read_params(ckpt: ParamsCheckpoint, target: Any, *, verify: bool = True,
+                field: str = "params") -> Any:
     """The parameters of `ckpt` as jax.Arrays on `target`'s shapes, dtypes and shardings.
 
     `target`: the parameters' pure dict of jax.ShapeDtypeStructs carrying shardings.
-    `verify`: check the files read against the step's checksums first.
+    `verify`: check the files read against the step's checksums first. `field`: "params",
+    or "ema" for the EMA of the parameters (a CheckpointError if the step holds none).
     """
+    if field not in ("params", "ema"):
+        raise ValueError(f"field must be 'params' or 'ema', not {field!r}")
     if ckpt.tier == "persistent":
-        return _read_persistent(ckpt, target, verify)
-    return _read_local(ckpt, target)
+        return _read_persistent(ckpt, target, verify, field)
+    return _read_local(ckpt, target, field)
+
+
+def _no_ema(ckpt: ParamsCheckpoint) -> CheckpointError:
+    return CheckpointError(f"{ckpt.describe()} holds no EMA of the parameters (the run did not "
+                           f"set train.ema_decay); load its parameters (ema=False)")
 
 
 # ---------------------------------------------------------------- persistent tier
 
 
-def _read_persistent(ckpt: ParamsCheckpoint, target: Any, verify: bool) -> Any:
+def _read_persistent(ckpt: ParamsCheckpoint, target: Any, verify: bool,
+                     field: str = "params") -> Any:
     import orbax.checkpoint as ocp
 
     step_dir = ckpt.path
     legacy = not (step_dir / PARAMS).is_dir() and (step_dir / LEGACY_ITEM).is_dir()
-    item = LEGACY_ITEM if legacy else PARAMS
+    item = LEGACY_ITEM if legacy else (PARAMS if field == "params" else TRAIN_STATE)
     if verify:
         _verify_item(step_dir, item)
+    subtree = legacy or field != "params"
     try:
         with ocp.PyTreeCheckpointer() as checkpointer:
-            if legacy:  # the whole state in one item: read its params subtree alone
-                args = restore_args({"params": target})
+            if subtree:  # the whole state (or the rest of it) in one item: read one subtree
+                if field == "ema" and "ema" not in _top_keys(checkpointer, step_dir / item):
+                    raise _no_ema(ckpt)
+                args = restore_args({field: target})
                 restored = checkpointer.restore(step_dir / item, args=ocp.args.PyTreeRestore(
                     item=args.item, restore_args=args.restore_args, partial_restore=True))
-                return restored["params"]
+                return restored[field]
             return checkpointer.restore(step_dir / item, args=restore_args(target))
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"reading the parameters of {ckpt.describe()} failed (was it "
                               f"saved by another model or model config?): "
                               f"{type(e).__name__}: {str(e)[:1500]}") from e
+
+
+def _top_keys(checkpointer: Any, item_dir: Path) -> set[str]:
+    """Top-level keys of an Orbax pytree item (empty if its metadata cannot be read)."""
+    try:
+        meta = checkpointer.metadata(item_dir)
+    except Exception:
+        return set()
+    tree = getattr(meta, "item_metadata", None)
+    tree = meta if tree is None else tree
+    tree = getattr(tree, "tree", tree)
+    return set(tree) if isinstance(tree, Mapping) else set()
 
 
 def _verify_item(step_dir: Path, item: str) -> None:
@@ -154,8 +184,8 @@ def _rank_copies(step_dir: Path) -> dict[int, tuple[Path, Path, str]]:
     return {**partner_copies, **copies}
 
 
-def _read_local(ckpt: ParamsCheckpoint, target: Any) -> Any:
-    wanted = dict(zip((f"params/{p}" for p in leaf_paths(target)), jax.tree.leaves(target)))
+def _read_local(ckpt: ParamsCheckpoint, target: Any, field: str = "params") -> Any:
+    wanted = dict(zip((f"{field}/{p}" for p in leaf_paths(target)), jax.tree.leaves(target)))
     arrays = {path: np.empty(x.shape, np.dtype(x.dtype))
               for path, x in wanted.items()}
     filled = {path: 0 for path in wanted}
@@ -173,6 +203,8 @@ def _read_local(ckpt: ParamsCheckpoint, target: Any) -> Any:
     except (OSError, ChecksumError) as e:
         raise CheckpointError(f"reading the parameters of {ckpt.describe()} failed: {e}") from e
     short = [p for p, n in filled.items() if n < arrays[p].nbytes]
+    if field == "ema" and short and all(n == 0 for n in filled.values()):
+        raise _no_ema(ckpt)
     if short:
         raise CheckpointError(
             f"{ckpt.describe()}: parameters {short[:5]} are missing from the rank copies found "

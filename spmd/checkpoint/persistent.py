@@ -395,20 +395,29 @@ class PersistentTier:
         """Onto `abstract_state`'s shardings: any mesh, any process count (either layout).
 
         Returns the state and the `optional` top-level fields the step does not hold (None
-        in the state): it was written before they existed.
+        in the state): it was written before they existed. An optional field the step holds
+        but `abstract_state` does not (None: the EMA of a run that switched it off) is not
+        read.
         """
         legacy = (self.step_dir(step) / LEGACY_ITEM).is_dir()
         stored = self._stored_fields(step, LEGACY_ITEM if legacy else TRAIN_STATE) \
             if optional else None
         missing = tuple(n for n in optional if stored is not None and n not in stored)
         target = without_fields(abstract_state, missing)
+        unread = [n for n in optional if stored is not None and n in stored
+                  and _present_fields(target) is not None and n not in _present_fields(target)]
+        if unread:
+            log.info("persistent step %d holds %s, which this run's state does not have: "
+                     "not restored", step, ", ".join(unread))
+        partial = {LEGACY_ITEM if legacy else TRAIN_STATE} if unread else set()
         if legacy:  # the whole state in one item; absent fields are not in its tree
             fields = _present_fields(target)
             items = {LEGACY_ITEM: target if fields is None else fields}
         else:
             items = split_state(target)
         restored = self.manager.restore(step, args=self._ocp.args.Composite(
-            **{name: self._restore_args(tree) for name, tree in items.items()}))
+            **{name: self._restore_args(tree, name in partial)
+               for name, tree in items.items()}))
         if legacy:
             whole = restored[LEGACY_ITEM]
             return (whole if fields is None or not dataclasses.is_dataclass(target)
@@ -424,10 +433,10 @@ class PersistentTier:
         tree = getattr(meta, "tree", meta)
         return set(tree) if isinstance(tree, Mapping) else None
 
-    def _restore_args(self, target: Any) -> Any:
+    def _restore_args(self, target: Any, partial: bool = False) -> Any:
         if self.compress:
-            return self._ocp.args.StandardRestore(target)
-        return restore_args(target)
+            return self._ocp.args.StandardRestore(target, strict=not partial)
+        return restore_args(target, partial)
 
     def delete(self, step: int) -> None:
         """Collective: every rank calls it."""
@@ -437,13 +446,14 @@ class PersistentTier:
         self.manager.close()
 
 
-def restore_args(target: Any) -> Any:
+def restore_args(target: Any, partial: bool = False) -> Any:
     """Orbax restore arguments onto `target`'s shapes, dtypes and shardings (either handler
-    reads what either wrote)."""
+    reads what either wrote). `partial`: the stored tree may hold more (not read)."""
     import orbax.checkpoint as ocp
 
     return ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=partial)
 
 
 class _StartFailed(Exception):

@@ -7,10 +7,12 @@ whole job) the persistent tier. Every chosen source is checksum-verified before 
 one is reported (naming the file), struck off, and rank 0 plans again. All ranks act on rank
 0's plan, so they always agree on the step and the sources.
 
-A state may name `optional` fields: ones added to the state after checkpoints were written
-without them (spmd's `rng`). A local copy saved in the layout of the state without them
-(`RestoreContext.older`), or a persistent step whose items lack them, still restores; those
-fields come back as None and `Restored.missing` names them, for the caller to fill.
+A state may name `optional` fields: ones a checkpoint may have been written without (spmd's
+`rng`, added to the state later; its `ema`, present only with train.ema_decay). A local copy
+saved in the layout of the state without some of them (`RestoreContext.variants`: one layout
+per subset of optional fields left out; `older` is the single variant without all of them),
+or a persistent step whose items lack them, still restores; those fields come back as None
+and `Restored.missing` names them, for the caller to fill.
 """
 
 from __future__ import annotations
@@ -47,31 +49,37 @@ class Planner:
 
     def plan(self) -> dict:
         persistent = set(self.votes[0].get("persistent", []))
-        steps = sorted({s for v in self.votes for key in ("own", "own_older")
-                        for s in v.get(key, [])}
-                       | {s for v in self.votes for key in ("held", "held_older")
-                          for s, _ in v.get(key, [])} | persistent, reverse=True)
+        steps = sorted({s for v in self.votes for s in v.get("own", [])}
+                       | {e[0] for v in self.votes for key in ("held", "own_older", "held_older")
+                          for e in v.get(key, [])} | persistent, reverse=True)
+        variants = max((e[-1] for v in self.votes for key in ("own_older", "held_older")
+                        for e in v.get(key, [])), default=0)
         for s in steps:
-            for older in (False, True):
+            for older in range(variants + 1):   # the current layout first, then the variants
                 servers = self._servers(s, older)
                 if servers is not None:
                     return {"tier": "local", "step": s, "servers": servers,
-                            **({"older": True} if older else {})}
+                            **({"older": older} if older else {})}
             if s in persistent and ("persistent", s, -1) not in self.bad:
                 return {"tier": "persistent", "step": s}
         return {"tier": None}
 
-    def _servers(self, step: int, older: bool) -> dict[int, int] | None:
-        """Who serves each rank's copy of `step` (all in the current layout, or all in the
-        older one), or None when some rank's copy is missing."""
+    def _servers(self, step: int, older: int) -> dict[int, int] | None:
+        """Who serves each rank's copy of `step` (all in the current layout, older=0, or all
+        in variant `older`), or None when some rank's copy is missing."""
         own_key, held_key = ("own_older", "held_older") if older else ("own", "held")
         held: dict[tuple[int, int], int] = {}
         for h, v in enumerate(self.votes):
-            for s, q in v.get(held_key, []):
-                held.setdefault((s, q), h)
+            for entry in v.get(held_key, []):
+                if not older or entry[2] == older:
+                    held.setdefault((entry[0], entry[1]), h)
+        if older:
+            own_key, held_key = f"own_older{older}", f"held_older{older}"
         servers = {}
         for q in range(self.size):
-            if step in self.votes[q].get(own_key, []) and (own_key, step, q) not in self.bad:
+            mine = ([e[0] for e in self.votes[q].get("own_older", []) if e[1] == older]
+                    if older else self.votes[q].get("own", []))
+            if step in mine and (own_key, step, q) not in self.bad:
                 servers[q] = q
             elif (step, q) in held and (held_key, step, q) not in self.bad:
                 servers[q] = held[(step, q)]
@@ -102,6 +110,19 @@ class RestoreContext:
     emit: Callable[..., None]
     buffers: dict[PieceId, np.ndarray] = field(default_factory=dict)  # reused, this rank's
     older: SaveLayout | None = None   # layout of the state without its optional fields
+    # (fields left out, layout) per variant: subsets of the optional fields a local copy may
+    # lack; empty: just `older`, lacking all of them
+    variants: Sequence[tuple[tuple[str, ...], SaveLayout]] = ()
+
+
+def _variants(ctx: RestoreContext, optional: Sequence[str]
+              ) -> list[tuple[tuple[str, ...], SaveLayout]]:
+    """Variant i + 1 of a plan's "older": what it leaves out and its layout."""
+    if not optional:
+        return []
+    if ctx.variants:
+        return list(ctx.variants)
+    return [(tuple(optional), ctx.older)] if ctx.older is not None else []
 
 
 def restore(ctx: RestoreContext, abstract_state: Any,
@@ -119,16 +140,19 @@ def restore(ctx: RestoreContext, abstract_state: Any,
     own: dict[int, LocalCopy] = {}
     held: dict[tuple[int, int], LocalCopy] = {}
     vote: dict[str, Any] = {"own": [], "held": []}
-    older = ctx.older if optional and ctx.older is not None else None
+    variants = _variants(ctx, optional)
+    which = {lay.signature: i + 1 for i, (_, lay) in enumerate(variants)}
     if ctx.local is not None:
-        signatures = [ctx.layout.signature] + ([older.signature] if older else [])
+        signatures = [ctx.layout.signature] + list(which)
         own, held, notes = ctx.local.copies(signatures)
         if ctx.transport is None and ctx.size > 1:
             held = {}  # a partner copy cannot be fetched without MPI
-        vote = {"own": sorted(s for s, c in own.items() if not _is_older(c, older)),
-                "held": sorted(k for k, c in held.items() if not _is_older(c, older)),
-                "own_older": sorted(s for s, c in own.items() if _is_older(c, older)),
-                "held_older": sorted(k for k, c in held.items() if _is_older(c, older)),
+        vote = {"own": sorted(s for s, c in own.items() if c.signature not in which),
+                "held": sorted(k for k, c in held.items() if c.signature not in which),
+                "own_older": sorted([s, which[c.signature]] for s, c in own.items()
+                                    if c.signature in which),
+                "held_older": sorted([*k, which[c.signature]] for k, c in held.items()
+                                     if c.signature in which),
                 "notes": notes}
         for note in notes:
             log.info("local checkpoint skipped: %s", note)
@@ -174,7 +198,7 @@ def restore(ctx: RestoreContext, abstract_state: Any,
     if plan["tier"] == "local":
         target = abstract_state
         if plan.get("older"):
-            missing = tuple(optional)
+            missing = variants[int(plan["older"]) - 1][0]
             target = without_fields(abstract_state, missing)
         leaves = _exchange_and_assemble(ctx, plan, data, jax.tree.leaves(target), timings)
         state = jax.tree.unflatten(jax.tree.structure(target), leaves)
@@ -205,11 +229,6 @@ def restore(ctx: RestoreContext, abstract_state: Any,
                     missing=missing)
 
 
-def _is_older(copy: LocalCopy, older: SaveLayout | None) -> bool:
-    """Whether a copy was saved in the older layout (one without the optional fields)."""
-    return older is not None and copy.signature == older.signature
-
-
 def _servers(plan: dict) -> dict[int, int]:
     return {int(q): int(h) for q, h in plan["servers"].items()}
 
@@ -219,7 +238,8 @@ def _load_local(ctx: RestoreContext, plan: dict, own: dict[int, LocalCopy],
     """Load and verify every copy this rank serves; report the bad ones."""
     assert ctx.local is not None
     step, servers = plan["step"], _servers(plan)
-    layout, suffix = _plan_layout(ctx, plan), "_older" if plan.get("older") else ""
+    layout = _plan_layout(ctx, plan)
+    suffix = f"_older{plan['older']}" if plan.get("older") else ""
     bad, data = [], {}
     for q, h in servers.items():
         if h != ctx.rank:
@@ -244,6 +264,8 @@ def _load_local(ctx: RestoreContext, plan: dict, own: dict[int, LocalCopy],
 def _plan_layout(ctx: RestoreContext, plan: dict) -> SaveLayout:
     """The layout the planned local step was saved in."""
     if plan.get("older"):
+        if ctx.variants:
+            return ctx.variants[int(plan["older"]) - 1][1]
         assert ctx.older is not None
         return ctx.older
     return ctx.layout

@@ -16,8 +16,8 @@ import traceback
 from spmd.comm.job_failure import announced, end_process
 from spmd.errors import ExitCode, SpmdError
 
-COMMANDS = ("train", "run", "doctor", "shardings", "jobscript", "ckpt", "plot", "data", "plan",
-            "profile", "report", "eval", "predict", "export")
+COMMANDS = ("train", "run", "doctor", "shardings", "optimizer", "jobscript", "ckpt", "plot",
+            "data", "plan", "profile", "report", "eval", "predict", "export")
 
 log = logging.getLogger("spmd")
 

@@ -2,7 +2,8 @@
 
 Owns: the pydantic sections every component is built from, YAML + `key=value` overrides,
 strict validation with closest-key errors. `schema` imports nothing of spmd but
-`spmd.errors`; `load` may import `spmd.tasks` (the `model:` section is validated by the
+`spmd.errors` and `spmd.optim` (the `optimizer:` and `schedule:` sections live next to the
+code that builds from them); `load` may import `spmd.tasks` (the `model:` section is validated by the
 task's own `Config`). Names load lazily, so importing the schema never pulls in a task.
 """
 
@@ -13,7 +14,7 @@ from spmd import lazy_exports
 _PUBLIC = {
     **{name: "spmd.config.schema" for name in (
         "Config", "RunConfig", "ModelConfig", "MeshConfig", "TrainConfig", "DataConfig",
-        "CheckpointConfig", "LaunchConfig")},
+        "CheckpointConfig", "LaunchConfig", "OptimizerConfig", "ScheduleConfig")},
     **{name: "spmd.config.load" for name in (
         "load_config", "config_from_dict", "with_overrides", "parse_overrides", "build_task",
         "task_class")},

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from spmd.config.schema import Config
+from spmd.config.schema import Config, migrate_deprecated
 from spmd.errors import ConfigError
 from spmd.tasks.registry import import_task, resolve_task, task_path
 
@@ -114,6 +114,10 @@ def config_from_dict(raw: dict, source: str = "<config>", task: type | None = No
         raise ConfigError(
             f"{source}: top level must be a mapping of sections, got {type(raw).__name__}"
         )
+    try:
+        raw = migrate_deprecated(raw)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
     _check_keys(raw, Config, "")
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, dict):

@@ -1,17 +1,68 @@
 """The run configuration's schema: one frozen pydantic section per component, and `Config`.
 
-A leaf: it imports nothing of spmd but `spmd.errors`, so every layer may type against it.
+Nearly a leaf: it imports nothing of spmd but `spmd.errors` and the sections that live next
+to the code that builds from them (`spmd.optim`: optimizer, schedule), so every layer may
+type against it.
 Each component takes its own section (`CheckpointConfig`, `TrainConfig`, ...), never the
 whole `Config`. Reading YAML, overrides and resolving the task live in `spmd.config.load`.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
+
+from spmd.optim.optimizers import OptimizerConfig
+from spmd.optim.schedules import ScheduleConfig
+
+log = logging.getLogger("spmd.config")
+
+# Keys of `train:` that moved (spmd 0.x): old key -> (section, key). Still read, for one
+# release, with a warning naming the new key.
+DEPRECATED_KEYS: dict[str, tuple[str, str]] = {
+    "lr": ("optimizer", "lr"),
+    "warmup_steps": ("schedule", "warmup_steps"),
+    "weight_decay": ("optimizer", "weight_decay"),
+    "grad_clip": ("optimizer", "grad_clip"),
+}
+_warned: set[str] = set()
+
+
+def migrate_deprecated(raw: Any, warn: bool = True) -> Any:
+    """A raw config (dict) with the deprecated `train.*` keys moved to their new sections,
+    each warned about once per process (`warn`); both the old and the new key set is an
+    error."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("train"), dict):
+        return raw
+    train = dict(raw["train"])
+    moved = [k for k in DEPRECATED_KEYS if k in train]
+    if not moved:
+        return raw
+    raw = dict(raw)
+    for old in moved:
+        section, key = DEPRECATED_KEYS[old]
+        value = train.pop(old)
+        target = raw.get(section)
+        if target is None:
+            target = {}
+        elif isinstance(target, BaseModel):
+            target = target.model_dump(exclude_unset=True)
+        if not isinstance(target, dict):
+            continue   # the section's own validation names the problem
+        if key in target:
+            raise ValueError(f"train.{old} is deprecated and {section}.{key} is set too: "
+                             f"remove train.{old}")
+        raw[section] = {**target, key: value}
+        if warn and old not in _warned:
+            _warned.add(old)
+            log.warning("config key train.%s is deprecated (read for one more release): use "
+                        "%s.%s", old, section, key)
+    raw["train"] = train
+    return raw
 
 
 class _Section(BaseModel):
@@ -85,10 +136,6 @@ class TrainConfig(_Section):
     steps: int = Field(10, ge=0)
     batch_size: int = Field(8, ge=1)
     seed: int = 0
-    lr: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
     eval_every: int = Field(0, ge=0)
     donate: bool = True
     # A non-finite loss or gradient norm: `stop` ends the run (status 65) without saving the
@@ -152,8 +199,10 @@ class CheckpointConfig(_Section):
     # A local-tier save that fails (full or broken node-local disk): `continue` logs it and
     # trains on, saving to the persistent tier; `stop` ends the run as any failed save does.
     local_failure: Literal["continue", "stop"] = "continue"
-    # Restore the parameters only (a fresh optimizer state and step 0): the way to resume
-    # with a different optimizer.name.
+    # Resuming with a different optimizer.name than the run's previous job (its config.yaml):
+    # restore the parameters only, with a fresh optimizer state, and go on from the
+    # checkpoint's step (schedule and data position continue). Without it such a resume is
+    # an error. With the same optimizer.name, the whole state is restored as always.
     params_only: bool = False
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -181,9 +230,16 @@ class Config(_Section):
     model: SerializeAsAny[BaseModel] = ModelConfig()  # validated by the task's own Config
     mesh: MeshConfig = MeshConfig()
     train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_keys(cls, data: Any) -> Any:
+        return migrate_deprecated(data)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -11,7 +11,12 @@ returns the `PipelineSchedule` the steps bind, or raises a one-line ConfigError:
 - `train.pipeline_repeats` > 1 with `1f1b`, or with `train.microbatches` not a multiple of S
   (the circular schedule sends microbatches round in groups of S);
 - `train.microbatches` or `train.pipeline_repeats` > 1 without a pipeline (it would silently
-  do nothing).
+  do nothing);
+- `train.grad_accum` > 1 with a pipeline (the pipeline's microbatches already split the
+  batch: raise `train.microbatches` instead).
+
+`check_grad_accum` checks gradient accumulation on any strategy: `train.batch_size` must be
+divisible by `train.grad_accum` x the data-parallel ways (every microbatch splits evenly).
 """
 
 from __future__ import annotations
@@ -80,6 +85,12 @@ def check_pipeline(train: TrainConfig, mesh_cfg: MeshConfig, task: Task, rules: 
         return None
     stages = math.prod(shape[a] for a in axes)
     where = ", ".join(f"mesh.axes.{a}={shape[a]}" for a in axes)
+    if t.grad_accum > 1:
+        raise ConfigError(
+            f"train.grad_accum={t.grad_accum} does not compose with the pipeline of "
+            f"mesh.strategy={mesh_cfg.strategy} ({stages} stages, {where}), which already "
+            f"splits each batch into train.microbatches={t.microbatches}: set "
+            f"train.grad_accum=1 and raise train.microbatches instead")
     layers = _stacked_layers(task, t.seed)
     model_fields = type(task.model_cfg).model_fields
     if layers is None:
@@ -115,6 +126,20 @@ def check_pipeline(train: TrainConfig, mesh_cfg: MeshConfig, task: Task, rules: 
             f"{t.microbatches} x {ways} data-parallel ways ({data_axes or 'none'}); "
             f"change train.batch_size or train.microbatches")
     return PipelineSchedule(t.microbatches, t.pipeline_schedule, repeats)
+
+
+def check_grad_accum(train: TrainConfig, rules: RuleTable, mesh: Mesh) -> None:
+    """ConfigError unless `train.batch_size` divides by `train.grad_accum` x the data ways."""
+    k = train.grad_accum
+    if k == 1:
+        return
+    ways, data_axes = _data_ways(rules, dict(mesh.shape))
+    if train.batch_size % (k * ways):
+        raise ConfigError(
+            f"train.batch_size={train.batch_size} is not divisible by train.grad_accum={k} x "
+            f"{ways} data-parallel ways ({data_axes or 'none'}): each of the {k} microbatches "
+            f"must split evenly over the data axes; change train.batch_size or "
+            f"train.grad_accum")
 
 
 def stage_summary(report: ShardingReport, rules: RuleTable, mesh: Mesh,

@@ -14,16 +14,19 @@ from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.data.feed import BatchFeed
 from spmd.engine.axis_rules import axis_rules, warn_replication
-from spmd.engine.pipeline_checks import check_pipeline
+from spmd.engine.pipeline_checks import check_grad_accum, check_pipeline
 from spmd.engine.state import (
     ModelLayout,
     StateLayout,
+    TrainState,
+    ema_as_params,
     init_state_fn,
     make_optimizer,
     model_layout,
     state_layout,
 )
 from spmd.engine.step import make_eval_step, make_sample_step, make_train_step
+from spmd.errors import ConfigError
 from spmd.sharding import RuleTable
 from spmd.sharding.pipeline import PipelineSchedule
 from spmd.tasks import Task
@@ -61,20 +64,34 @@ class Runtime:
         compiled = self.train_step.lower(self.state.abstract, self.abstract_batch()).compile()
         return compiled, time.perf_counter() - start
 
+    def eval_params(self, state: TrainState) -> dict:
+        """The parameters evaluation uses: the EMA's (cast to the parameters' dtypes) with
+        `train.eval_ema`, else the state's own."""
+        if self.cfg.train.eval_ema and state.ema is not None:
+            return ema_as_params(state.ema, self.state.abstract.params)
+        return state.params
+
 
 def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
     """Resolve every sharding (failing early with precise errors) and build the jitted steps."""
     task = task or build_task(cfg)
     rules = axis_rules(cfg.mesh, task)
-    tx = make_optimizer(cfg.train)
     schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
+    check_grad_accum(cfg.train, rules, mesh)
+    if cfg.train.eval_ema and cfg.train.ema_decay is None:
+        raise ConfigError("train.eval_ema=true evaluates with the EMA of the parameters, but "
+                          "train.ema_decay is null (no EMA is kept): set train.ema_decay "
+                          "(e.g. 0.999) or train.eval_ema=false")
     model = model_layout(task, cfg.train.seed, rules, mesh)
+    tx = make_optimizer(cfg, task, model)   # the weight-decay mask reads the layout
     model.report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
     warn_replication(model.report, cfg.mesh)   # nothing replicated silently: log it
-    state = state_layout(model, tx, rules, mesh)
+    state = state_layout(model, tx, rules, mesh, ema=cfg.train.ema_decay is not None)
     feed = BatchFeed(task.batch_fields(), cfg.train.batch_size, mesh, rules)
     train_step = make_train_step(task, model, state, tx, feed.shardings, mesh, rules,
-                                 donate=cfg.train.donate, schedule=schedule)
+                                 donate=cfg.train.donate, schedule=schedule,
+                                 grad_accum=cfg.train.grad_accum,
+                                 ema_decay=cfg.train.ema_decay)
     eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules, schedule,
                                 seed=cfg.train.seed)
                  if task.eval_source() is not None else None)

@@ -1,7 +1,7 @@
 """Train state created directly sharded: abstract init, then a jitted init with out_shardings.
 
-The state is a typed pytree, `TrainState(step, params, opt_state, rng)` with params as a
-pure dict and `rng` the raw uint32 data of a key (replicated), so optax, Orbax and the
+The state is a typed pytree, `TrainState(step, params, opt_state, rng, ema)` with params as
+a pure dict and `rng` the raw uint32 data of a key (replicated), so optax, Orbax and the
 partner copies all see ordinary arrays. No device ever holds a full replica unless the
 rules say so. The data position is `step` itself: every data source is a pure function of
 (seed, step). So is the randomness: `rng` is set once from `train.seed` (`train_rng`) and
@@ -13,6 +13,12 @@ A model's variables are its parameters (`nnx.Param`) and, optionally, RNG stream
 modules hold (`nnx.Dropout(rate, rngs=rngs)` keeps an `nnx.RngKey` and `nnx.RngCount`):
 those are not state, `ModelLayout.merge` fills them from the step's key, per variable path.
 Any other variable type (batch statistics, caches) is refused by `model_layout`, naming it.
+
+`train.ema_decay` d adds `ema`, an exponential moving average of the parameters: it starts
+as a copy of the initial parameters and after every update becomes d * ema + (1 - d) *
+params (`update_ema`). Starting from the parameters rather than from zeros needs no
+debiasing (optax.ema's `debias` corrects a zero start). It is float32 for parameters stored
+in fewer bits, sharded like the parameters, checkpointed and resharded with them.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd.config.schema import TrainConfig
-from spmd.errors import SpmdError
+from spmd.config.schema import Config
+from spmd.errors import ConfigError, SpmdError
+from spmd.optim import build_optimizer, build_schedule, decay_mask, with_clipping
+from spmd.optim.state_sharding import opt_state_shardings
 from spmd.sharding import RuleTable, ShardingReport, resolve_params, state_shardings
 from spmd.tasks.base import Task
 
@@ -45,12 +53,15 @@ class TrainState:
     step: Any
     params: Any
     opt_state: Any
-    rng: Any = None   # last: a checkpoint written before it existed has none (`train_rng`)
+    rng: Any = None   # a checkpoint written before it existed has none (`train_rng`)
+    # `train.ema_decay`: an exponential moving average of the parameters (float32, sharded
+    # like them); None when the EMA is off. A checkpoint without one fills it from the params.
+    ema: Any = None
 
 
-# Fields of TrainState that checkpoints written by an earlier spmd lack (restored as None,
-# then filled: spmd.loop.trainer.fill_missing).
-ADDED_FIELDS = ("rng",)
+# Fields of TrainState that a checkpoint may lack (written by an earlier spmd, or before the
+# EMA was switched on): restored as None, then filled (spmd.loop.trainer.fill_missing).
+ADDED_FIELDS = ("rng", "ema")
 
 # Purposes a step's key is split into (fold_in constants; fixed: changing them changes runs).
 _TRAIN_STREAM, _TASK_DEFAULT, _TASK_DROPOUT, _MODEL_RNGS, _EVAL_STREAM = range(1, 6)
@@ -86,13 +97,11 @@ def task_rngs(key: jax.Array) -> nnx.Rngs:
                     dropout=jax.random.fold_in(key, _TASK_DROPOUT))
 
 
-def learning_rate(train: TrainConfig) -> optax.Schedule:
-    """The learning-rate schedule: linear warm-up to `train.lr` over `train.warmup_steps`
-    updates, then constant. One definition for the optimizer and for the `lr` that
-    metrics.jsonl logs (update k, the one that makes step k, uses `schedule(k - 1)`)."""
-    if train.warmup_steps:
-        return optax.linear_schedule(0.0, train.lr, train.warmup_steps)
-    return optax.constant_schedule(train.lr)
+def learning_rate(cfg: Config) -> optax.Schedule:
+    """The learning-rate schedule: `schedule` (spmd.optim.schedules) peaking at
+    `optimizer.lr`, over `train.steps`. One definition for the optimizer and for the `lr`
+    that metrics.jsonl logs (update k, the one that makes step k, uses `schedule(k - 1)`)."""
+    return build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps)
 
 
 # optax.apply_if_finite applies a non-finite update after this many in a row; the trainer
@@ -100,17 +109,31 @@ def learning_rate(train: TrainConfig) -> optax.Schedule:
 _NEVER = 2**30
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """AdamW on `learning_rate(train)` and optional global-norm clipping.
+def make_optimizer(cfg: Config, task: Task | None = None,
+                   layout: ModelLayout | None = None) -> optax.GradientTransformation:
+    """The `optimizer:` section's update rule on `learning_rate(cfg)` (or the task's own,
+    `Task.optimizer`), after global-norm clipping (`optimizer.grad_clip`).
 
+    Weight decay applies where `optimizer.no_decay` says (spmd.optim.optimizers), judged by
+    each parameter's path and, from `layout`'s sharding report, its logical axes.
     With `train.nonfinite: skip`, wrapped in `optax.apply_if_finite`: a step whose gradients
     are not finite leaves parameters and optimizer state as they were, and the optimizer
     state counts skips (`skips`, `skips_in_a_row` in the step's metrics).
     """
-    parts = [optax.clip_by_global_norm(train.grad_clip)] if train.grad_clip else []
-    parts.append(optax.adamw(learning_rate(train), weight_decay=train.weight_decay))
-    tx = optax.chain(*parts)
-    if train.nonfinite == "skip":
+    schedule = learning_rate(cfg)
+    tx = task.optimizer(schedule) if task is not None else None
+    if tx is None:
+        axes = ({p.path: tuple(p.logical_axes) for p in layout.report.params}
+                if layout is not None else None)
+        try:
+            tx = build_optimizer(cfg.optimizer, schedule, decay_mask(cfg.optimizer.no_decay, axes))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif not isinstance(tx, optax.GradientTransformation):
+        raise ConfigError(f"task {type(task).__name__}: optimizer() returned "
+                          f"{type(tx).__name__}, not an optax.GradientTransformation (or None)")
+    tx = with_clipping(tx, cfg.optimizer.grad_clip)
+    if cfg.train.nonfinite == "skip":
         tx = optax.apply_if_finite(tx, max_consecutive_errors=_NEVER)
     return tx
 
@@ -202,20 +225,53 @@ class StateLayout:
     abstract: TrainState          # ShapeDtypeStructs carrying their shardings (restore targets)
 
 
+def ema_dtype(dtype: Any) -> Any:
+    """The EMA's dtype for a parameter of `dtype`: float32 for floating parameters stored in
+    fewer bits (an average of small steps needs the mantissa), else the parameter's own."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def init_ema(params: Any) -> Any:
+    """The EMA's starting value: a copy of the parameters (no zero start, so no debiasing)."""
+    return jax.tree.map(lambda p: p.astype(ema_dtype(p.dtype)), params)
+
+
+def update_ema(ema: Any, params: Any, decay: float) -> Any:
+    """ema <- decay * ema + (1 - decay) * params, in the EMA's dtype (float32)."""
+    return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p.astype(e.dtype), ema, params)
+
+
+def ema_as_params(ema: Any, abstract_params: Any) -> Any:
+    """The EMA cast back to the parameters' dtypes (what the model is merged with)."""
+    return jax.tree.map(lambda e, a: e.astype(a.dtype), ema, abstract_params)
+
+
+def fill_ema(state: TrainState, shardings: TrainState) -> TrainState:
+    """`state` whose missing EMA (a checkpoint without one) starts from its parameters."""
+    ema = jax.jit(init_ema, out_shardings=shardings.ema)(state.params)
+    return state.replace(ema=ema)
+
+
 def state_layout(layout: ModelLayout, tx: optax.GradientTransformation, rules: RuleTable,
-                 mesh: Mesh) -> StateLayout:
+                 mesh: Mesh, *, ema: bool = False) -> StateLayout:
+    """`ema`: the state keeps an EMA of the parameters (`train.ema_decay`), sharded like
+    them."""
     param_shardings = nnx.to_pure_dict(state_shardings(layout.abstract_params, rules, mesh))
     abstract_params = nnx.to_pure_dict(layout.abstract_params)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    # Optimizer moments mirror their parameter's sharding; counters etc. are replicated.
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, param_shardings,
-        transform_non_params=lambda _: replicated(mesh),
-    )
+    # Optimizer moments mirror their parameter's sharding (a factored moment: its fit, see
+    # spmd.optim.state_sharding); counters etc. are replicated.
+    opt_shardings = opt_state_shardings(tx, abstract_opt, param_shardings, abstract_params,
+                                        replicated(mesh))
     shardings = TrainState(step=replicated(mesh), params=param_shardings,
-                           opt_state=opt_shardings, rng=replicated(mesh))
+                           opt_state=opt_shardings, rng=replicated(mesh),
+                           ema=param_shardings if ema else None)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
-                          opt_state=abstract_opt, rng=abstract_rng())
+                          opt_state=abstract_opt, rng=abstract_rng(),
+                          ema=jax.eval_shape(init_ema, abstract_params) if ema else None)
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
@@ -225,13 +281,15 @@ def state_layout(layout: ModelLayout, tx: optax.GradientTransformation, rules: R
 def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
                   layout: StateLayout) -> Callable[[], TrainState]:
     """A jitted initializer (model and RNG key from `seed`, `train.seed`) whose outputs land
-    directly in their shardings."""
+    directly in their shardings; the EMA (when the layout has one) starts at the params."""
+    with_ema = layout.shardings.ema is not None
 
     def init() -> TrainState:
         with nnx.use_eager_sharding(False):   # out_shardings place the arrays
             model = task.build_model(nnx.Rngs(seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), rng=train_rng(seed))
+                          opt_state=tx.init(params), rng=train_rng(seed),
+                          ema=init_ema(params) if with_ema else None)
 
     return jax.jit(init, out_shardings=layout.shardings)

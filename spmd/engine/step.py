@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd.engine.state import (
     ModelLayout,
@@ -26,6 +26,7 @@ from spmd.engine.state import (
     step_key,
     task_rngs,
     train_rng,
+    update_ema,
 )
 from spmd.sharding import RuleTable, activation_sharding
 from spmd.sharding.pipeline import PipelineSchedule, pipeline_schedule
@@ -64,28 +65,68 @@ def with_options(method: Callable) -> Callable[..., object]:
     return call
 
 
+def split_microbatches(batch: dict, batch_shardings: Mapping[str, NamedSharding], k: int,
+                       mesh: Mesh) -> dict:
+    """Each field [B, ...] -> [k, B / k, ...]: microbatch j holds rows {j, j + k, j + 2k, ...}.
+
+    A batch sharded over the data axes holds contiguous rows per device; splitting the rows
+    as (B / k, k) keeps every device's rows on it (the sharded dimension is the major one),
+    so microbatch j is the j-th of every device's own rows and no data moves: each
+    microbatch stays sharded over the data axes like the full batch.
+    """
+    out = {}
+    for name, x in batch.items():
+        spec = tuple(batch_shardings[name].spec)
+        lead, rest = (spec[0] if spec else None), spec[1:]
+        y = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+        out[name] = jax.lax.with_sharding_constraint(
+            y, NamedSharding(mesh, PartitionSpec(None, lead, *rest)))
+    return out
+
+
+def float32_norm(tree) -> jax.Array:
+    """The global L2 norm of a pytree, reduced in float32 whatever the leaves' dtype."""
+    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree))
+
+
 def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
                     tx: optax.GradientTransformation, batch_shardings: Mapping[str, NamedSharding],
                     mesh: Mesh, rules: RuleTable, donate: bool = True,
-                    schedule: PipelineSchedule | None = None) -> Callable:
+                    schedule: PipelineSchedule | None = None, *, grad_accum: int = 1,
+                    ema_decay: float | None = None) -> Callable:
     """(state, batch) -> (state, metrics); one SPMD program for every device.
 
     Update `state.step` draws from `step_key(state.rng, state.step)`: the task's `rngs` and
-    the model's own RNG streams; the model is in train mode."""
+    the model's own RNG streams; the model is in train mode.
+
+    `grad_accum` k > 1: the global batch is split into k microbatches (`split_microbatches`)
+    run one after another by a `lax.scan`; gradients are summed in float32 and divided by
+    k, the loss and the task's aux metrics are the microbatches' means (for a mean-reduced
+    loss: the full batch's loss), then one update. Microbatch j draws from
+    `fold_in(step key, j)`. `ema_decay`: the state's EMA follows the new parameters.
+    """
     task_loss = with_options(task.loss)
+    param_shardings = state_layout.shardings.params
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         key = step_key(state.rng, state.step)
         with activation_sharding(mesh, rules), pipeline_schedule(schedule):
-            def loss_fn(params):
+            def loss_fn(params, batch, key):
                 model = layout.merge(params, key, train=True)
                 return task_loss(model, batch, key=key, train=True)
 
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            if grad_accum == 1:
+                (loss, aux), grads = grad_fn(state.params, batch, key)
+            else:
+                loss, aux, grads = _accumulate(grad_fn, state.params, batch, key)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        grad_norm = optax.tree.norm(grads)
+        if ema_decay is not None and state.ema is not None:
+            new_state = new_state.replace(ema=update_ema(state.ema, params, ema_decay))
+        loss = jnp.asarray(loss, jnp.float32)
+        grad_norm = float32_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         metrics = {"loss": loss, "grad_norm": grad_norm,
                    "nonfinite": (~finite).astype(jnp.float32), **aux}
@@ -93,6 +134,24 @@ def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
             metrics["skips"] = opt_state.total_notfinite.astype(jnp.float32)
             metrics["skips_in_a_row"] = opt_state.notfinite_count.astype(jnp.float32)
         return new_state, metrics
+
+    def _accumulate(grad_fn, params, batch, key):
+        f32 = jnp.float32
+
+        def constrained(tree):
+            return jax.lax.with_sharding_constraint(tree, param_shardings)
+
+        def body(acc, xs):
+            micro, j = xs
+            (loss, aux), grads = grad_fn(params, micro, jax.random.fold_in(key, j))
+            acc = constrained(jax.tree.map(lambda a, g: a + g.astype(f32), acc, grads))
+            return acc, (jnp.asarray(loss, f32), jax.tree.map(lambda v: jnp.asarray(v, f32), aux))
+
+        zeros = constrained(jax.tree.map(lambda p: jnp.zeros(p.shape, f32), params))
+        micro = split_microbatches(batch, batch_shardings, grad_accum, mesh)
+        acc, (losses, auxes) = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
+        grads = jax.tree.map(lambda a, p: (a / grad_accum).astype(p.dtype), acc, params)
+        return jnp.mean(losses), jax.tree.map(lambda v: jnp.mean(v, axis=0), auxes), grads
 
     return jax.jit(
         train_step,

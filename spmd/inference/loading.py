@@ -5,7 +5,8 @@ A run directory (or one of its checkpoint directories) holds everything needed: 
 `load` builds the task's model abstractly, resolves where each parameter goes on the mesh
 it is given (one device by default: a notebook; or the run's own mesh, rebuilt with
 `run_mesh`), reads the parameters only (spmd.checkpoint.params_reader) and merges them into
-the task's `nnx.Module`, switched to eval mode.
+the task's `nnx.Module`, switched to eval mode. With `ema=True` (default: the run's
+`train.eval_ema`) the model holds the run's EMA of the parameters (train.ema_decay) instead.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from spmd.config.load import build_task, load_config
 from spmd.config.schema import Config
 from spmd.engine.axis_rules import axis_rules
 from spmd.engine.mesh import build_mesh
-from spmd.engine.state import ModelLayout, model_layout
+from spmd.engine.state import ModelLayout, ema_as_params, ema_dtype, model_layout
 from spmd.errors import SpmdError
 from spmd.launch import LaunchEnv, bootstrap, shutdown
 from spmd.sharding import MESH_AXES, RuleTable, state_shardings
@@ -51,6 +52,8 @@ class Trained:
     `model`: the task's module holding the trained parameters (eval mode); `params`: the
     same parameters as a pure dict of jax.Arrays (what jitted functions take); `layout`:
     the model's graph and sharding report, to rebuild the module from other parameters.
+    `ema`: whether these are the EMA of the parameters (train.ema_decay) rather than the
+    parameters themselves.
     """
 
     model: nnx.Module
@@ -62,6 +65,7 @@ class Trained:
     mesh: Mesh
     rules: RuleTable
     layout: ModelLayout
+    ema: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,14 +130,18 @@ def run_mesh(cfg: Config, node_of_process: list[int] | None = None) -> Mesh:
 
 
 def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
-         overrides: list[str] | None = None, verify: bool = True) -> Trained:
+         overrides: list[str] | None = None, verify: bool = True,
+         ema: bool | None = None) -> Trained:
     """The trained model of a run directory (or checkpoint directory), on `mesh`.
 
     `step`: that committed step (default: the newest of the persistent tier and the local
     tier). `mesh`: where the parameters go (default: one device, every parameter whole on
     it); any mesh with spmd's axis names works, e.g. `run_mesh(cfg)`. `overrides`: dotted
     `key=value` changes to the run's config (a moved `data.path`, say). Only the parameters
-    are read from disk, checked against their checksums unless `verify` is false.
+    are read from disk, checked against their checksums unless `verify` is false. `ema`:
+    the EMA of the parameters that a run with `train.ema_decay` keeps, instead of the
+    parameters (default: the run's `train.eval_ema`, so that `spmd eval` evaluates what the
+    run's evaluation did; an error if the step holds no EMA).
     """
     where = locate(path)
     cfg = run_config(where, overrides)
@@ -145,12 +153,19 @@ def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
     shardings = nnx.to_pure_dict(state_shardings(layout.abstract_params, rules, mesh))
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(layout.abstract_params), shardings)
-    params = read_params(ckpt, target, verify=verify)
+    ema = cfg.train.eval_ema if ema is None else ema
+    if ema:   # stored in the EMA's own dtype (float32), cast to the parameters' afterwards
+        stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, ema_dtype(a.dtype),
+                                                             sharding=a.sharding), target)
+        params = ema_as_params(read_params(ckpt, stored, verify=verify, field="ema"), target)
+    else:
+        params = read_params(ckpt, target, verify=verify)
     model = layout.merge(params)   # in eval mode (Dropout off), RNG streams from a fixed key
-    log.info("loaded %s: %s", cfg.task, ckpt.describe())
+    log.info("loaded %s: %s%s", cfg.task, "the EMA of the parameters of " if ema else "",
+             ckpt.describe())
     return Trained(model=model, task=task, config=cfg, step=ckpt.step,
                    source=ckpt.describe(), params=params, mesh=mesh, rules=rules,
-                   layout=layout)
+                   layout=layout, ema=ema)
 
 
 @contextmanager

@@ -90,7 +90,7 @@ class MetricsHook:
         self.writer = JsonlWriter(run_dir / "metrics.jsonl", enabled=is_main)
         self.batch = rt.cfg.train.batch_size
         self.units = rt.task.tokens_per_example()
-        self.schedule = learning_rate(rt.cfg.train)
+        self.schedule = learning_rate(rt.cfg)   # the optimizer's own definition
         self.host = jax.devices("cpu")[0]   # the schedule is evaluated here, not on a GPU
         self.flop_rate = FlopRate.create(rt.task.flops_per_example(), self.batch,
                                          rt.mesh.size, rt.mesh.devices.flat[0].device_kind)
@@ -178,7 +178,8 @@ def evaluate(rt: Runtime, params, sample_path: Path | None,
 
 
 class EvalHook:
-    """Evaluates at step 0 of a fresh run, every train.eval_every updates and at the end."""
+    """Evaluates at step 0 of a fresh run, every train.eval_every updates and at the end;
+    with the EMA of the parameters when train.eval_ema is set (`Runtime.eval_params`)."""
 
     def __init__(self, rt: Runtime, run_dir: Path, events: EventLog, metrics: MetricsHook,
                  is_main: bool, preemption: PreemptionHook | None = None):
@@ -188,7 +189,8 @@ class EvalHook:
 
     def _evaluate(self, info: StepInfo) -> None:
         started = time.perf_counter()
-        record = {"step": info.step, **evaluate(self.rt, info.state.params, self.sample_path)}
+        params = self.rt.eval_params(info.state)   # the EMA's with train.eval_ema
+        record = {"step": info.step, **evaluate(self.rt, params, self.sample_path)}
         self.metrics.record(record)
         seconds = time.perf_counter() - started
         self.events.emit("evaluated", **record, seconds=round(seconds, 4))  # spmd report
@@ -243,7 +245,7 @@ class NonfiniteHook:
             why = f"non-finite loss or gradient norm at {when} (train.nonfinite=stop)"
         reason = (f"{why}: at step {info.step} loss {values['loss']}, grad_norm "
                   f"{values['grad_norm']}; nothing of it was saved, the newest checkpoint is "
-                  f"finite: lower train.lr (or set train.nonfinite=skip) and run again")
+                  f"finite: lower optimizer.lr (or set train.nonfinite=skip) and run again")
         log.error("stopping: %s", reason)
         self.events.emit("nonfinite_stop", step=info.step, mode=self.mode,
                          loss=str(values["loss"]), grad_norm=str(values["grad_norm"]))

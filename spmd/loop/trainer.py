@@ -32,7 +32,7 @@ from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import Runtime, build_runtime
-from spmd.engine.state import ADDED_FIELDS, TrainState, train_rng
+from spmd.engine.state import TrainState, fill_ema, train_rng
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import (
     HALT_FILE_NAME,
@@ -53,6 +53,7 @@ from spmd.loop.builtin_hooks import (
 )
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
 from spmd.loop.profiler_hook import ProfilerHook, profiling
+from spmd.loop.recipe import previous_recipe, restore_state
 from spmd.loop.stragglers import StragglerMonitor
 from spmd.rundir.lease import RunLease
 from spmd.rundir.metrics import EventLog, drop_records_after, setup_logging
@@ -157,12 +158,16 @@ class Trainer:
     def fit(self, env: LaunchEnv, events: EventLog) -> int:
         """Train on an initialized JAX runtime; returns the process exit status."""
         cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
+        # the previous job's recipe: every rank reads config.yaml before build's barrier
+        # (rank 0 rewrites it after the restore)
+        previous = previous_recipe(run_dir)
         rt = self.build(env)
-        if is_main:  # only a config that builds (task, mesh, shardings) replaces the run's
-            (run_dir / "config.yaml").write_text(cfg.to_yaml())
         began = time.perf_counter()
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
-        restored = checkpointer.restore(rt.state.abstract, optional=ADDED_FIELDS)
+        restored = restore_state(rt, checkpointer, previous, run_dir, events)
+        if is_main:  # only a config that builds (task, mesh, shardings) and restores (the
+            # recipe may change: spmd.loop.recipe) replaces the run's
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if restored is not None:
             state, start = fill_missing(rt, restored), restored.step
             events.emit("restored", step=start, source=restored.source, detail=restored.detail,
@@ -311,7 +316,8 @@ class Trainer:
 
 def fill_missing(rt: Runtime, restored: Restored) -> TrainState:
     """The restored state, with fields a checkpoint written before they existed lacks (the
-    RNG key: `ADDED_FIELDS`) filled from the config, as a fresh run would have them."""
+    RNG key: `ADDED_FIELDS`) filled from the config, as a fresh run would have them; an EMA
+    the checkpoint lacks (saved before train.ema_decay was set) starts from its params."""
     state = restored.state
     if "rng" in restored.missing:
         seed = rt.cfg.train.seed
@@ -319,6 +325,11 @@ def fill_missing(rt: Runtime, restored: Restored) -> TrainState:
         if jax.process_index() == 0:
             log.info("the checkpoint of step %d holds no RNG key (written before the train "
                      "state had one): set from train.seed=%d", restored.step, seed)
+    if "ema" in restored.missing and rt.state.shardings.ema is not None:
+        state = fill_ema(state, rt.state.shardings)
+        if jax.process_index() == 0:
+            log.info("the checkpoint of step %d holds no EMA of the parameters (saved without "
+                     "train.ema_decay): the EMA starts from its parameters", restored.step)
     return state
 
 

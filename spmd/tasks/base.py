@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, Generic, TypeVar, cast
 
 import jax
+import optax
 from flax import nnx
 from pydantic import BaseModel
 
@@ -140,4 +141,14 @@ class Task(abc.ABC, Generic[ModelCfg]):
         own mesh axes ('model'); `mesh.axis_aliases` maps those onto spmd's (e.g.
         {model: tensor}). They override the strategy's preset; `mesh.rules` overrides them.
         None: the preset and `mesh.rules` alone."""
+        return None
+
+    def optimizer(self, schedule: optax.Schedule) -> optax.GradientTransformation | None:
+        """This task's own update rule, replacing the `optimizer:` section's `name`, its
+        parameters and weight decay; None (the default): the section's.
+
+        `schedule` is the run's learning rate (the `schedule:` section peaking at
+        `optimizer.lr`, as logged in metrics.jsonl's `lr`): use it, and the logged `lr` is
+        the one applied. Gradient clipping (`optimizer.grad_clip`) and `train.nonfinite:
+        skip` still wrap what is returned; its state is sharded like the parameters."""
         return None

@@ -38,7 +38,8 @@ class TransformerConfig(ModelConfig):
     vocab_size: int = Field(256, ge=2)
     seq_len: int = Field(32, ge=2)
     positions: Literal["rotary", "learned"] = "rotary"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored (master) parameters
     scan_layers: bool = True
     remat: Remat = "none"            # models/scan.py REMAT_POLICIES
     attention: Literal["auto", "xla", "cudnn"] = "auto"
@@ -95,7 +96,7 @@ class LanguageModelTask(Task[TransformerConfig]):
             num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, d_ff=m.d_ff,
             vocab_size=m.vocab_size, seq_len=m.seq_len, positions=m.positions, rngs=rngs,
             dtype=jnp.dtype(m.dtype), scan_layers=m.scan_layers, remat=m.remat,
-            attention=resolve_attention(m),
+            attention=resolve_attention(m), param_dtype=jnp.dtype(m.param_dtype),
         )
 
     def batch_fields(self) -> dict[str, BatchField]:

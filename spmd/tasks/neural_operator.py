@@ -95,7 +95,8 @@ class FnoConfig(ModelConfig):
     num_layers: int = Field(4, ge=1)
     grid: int = Field(64, ge=4)
     projection: int = Field(128, ge=1)   # hidden channels of the output projection
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored (master) parameters
 
     @model_validator(mode="after")
     def _modes_fit(self) -> FnoConfig:
@@ -114,7 +115,7 @@ class OperatorTask(Task[FnoConfig]):
         m = self.model_cfg
         return FNO2d(in_channels=m.in_channels, out_channels=m.out_channels, width=m.width,
                      modes=m.modes, num_layers=m.num_layers, projection=m.projection,
-                     rngs=rngs, dtype=jnp.dtype(m.dtype))
+                     rngs=rngs, dtype=jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype))
 
     def batch_fields(self) -> dict[str, BatchField]:
         m = self.model_cfg

@@ -22,7 +22,8 @@ class MlpConfig(ModelConfig):
     d_hidden: int = Field(128, ge=1)
     d_out: int = Field(8, ge=1)
     num_layers: int = Field(2, ge=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored (master) parameters
 
 
 class RegressionTask(Task[MlpConfig]):
@@ -30,7 +31,8 @@ class RegressionTask(Task[MlpConfig]):
 
     def build_model(self, rngs: nnx.Rngs) -> Mlp:
         m = self.model_cfg
-        return Mlp(m.d_in, m.d_hidden, m.d_out, m.num_layers, rngs=rngs, dtype=jnp.dtype(m.dtype))
+        return Mlp(m.d_in, m.d_hidden, m.d_out, m.num_layers, rngs=rngs, dtype=jnp.dtype(m.dtype),
+                   param_dtype=jnp.dtype(m.param_dtype))
 
     def batch_fields(self) -> dict[str, BatchField]:
         m = self.model_cfg

@@ -26,7 +26,8 @@ def tiny_config(tmp: Path, data_path: Path, **sections) -> Path:
         "model": {"name": "fno", "grid": GRID, "width": 8, "modes": 4, "num_layers": 2,
                   "projection": 16},
         "mesh": {"strategy": "dp"},
-        "train": {"steps": 4, "batch_size": 8, "seed": 0, "lr": 3e-3, "eval_every": 2},
+        "train": {"steps": 4, "batch_size": 8, "seed": 0, "eval_every": 2},
+        "optimizer": {"lr": 3e-3},
         "data": {"source": "hdf5", "path": str(data_path), "num_train": 32, "num_test": 8,
                  "eval_batches": 1},
     }

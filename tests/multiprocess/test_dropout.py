@@ -29,7 +29,8 @@ CONFIG = {
     "run": {"progress": False, "plots": False, "log_every": 1},
     "model": {"d_in": 8, "d_hidden": 32, "d_out": 4, "dropout": 0.1},
     "mesh": {"strategy": "dp"},
-    "train": {"steps": STEPS, "batch_size": 16, "lr": 3.0e-3, "eval_every": 3},
+    "train": {"steps": STEPS, "batch_size": 16, "eval_every": 3},
+    "optimizer": {"lr": 3.0e-3},
     "checkpoint": {"every": 3},
 }
 

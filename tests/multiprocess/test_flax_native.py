@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 4
 CONFIG = {"task": "tests.helpers.flax_native:FlaxLMTask",
-          "train": {"steps": STEPS, "batch_size": 8, "lr": 0.01},
+          "train": {"steps": STEPS, "batch_size": 8}, "optimizer": {"lr": 0.01},
           "run": {"progress": False, "plots": False},
           "mesh": {"axis_aliases": {"model": "tensor"}}}
 

@@ -30,7 +30,7 @@ def test_profile_trace_and_tensorboard_of_a_two_rank_run(tmp_path):
     need_mpiexec()
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        train_cmd(2, run_dir, "train.steps=8", "train.eval_every=4", "train.warmup_steps=4",
+        train_cmd(2, run_dir, "train.steps=8", "train.eval_every=4", "schedule.warmup_steps=4",
                   "run.profile.steps=[3,5]", "run.profile.ranks=[0,1]",
                   "run.trackers=[tensorboard]", "run.plots=false"),
         capture_output=True, text=True, env=_env(2), timeout=300, cwd=REPO)

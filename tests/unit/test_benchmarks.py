@@ -100,3 +100,15 @@ def test_step_overhead_stragglers_short_measures_monitor_and_finite_checks_again
     assert r["on_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
     assert r["paired_ratio"]["median"] > 0 and r["monitor_us_per_step"] > 0
     assert "straggler monitor + finite checks" in proc.stdout
+
+
+def test_step_overhead_recipe_short_times_spmd_against_the_hand_written_recipe():
+    """grad_accum + EMA + clipping: spmd's step against the same recipe in plain optax."""
+    proc, record = bench("step_overhead.py", "--short", "--cases", "recipe")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = record["results"]
+    assert r["case"] == "recipe" and r["verdict"] is None and r["devices"] == 1
+    assert r["recipe"]["grad_accum"] == 4 and r["recipe"]["ema_decay"] == 0.999
+    assert r["spmd_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
+    assert r["paired_ratio"]["median"] > 0
+    assert "recipe (grad_accum=4" in proc.stdout

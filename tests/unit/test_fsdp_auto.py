@@ -112,7 +112,7 @@ def test_auto_fsdp_is_a_pure_function_of_shapes_rules_and_mesh():
 # ---------------------------------------------------------------- a conv net trains under fsdp
 
 CONV = {"task": "tests.helpers.flax_native:ConvTask", "model": {"width": 32, "grid": 8},
-        "train": {"steps": 4, "batch_size": 8, "lr": 0.01},
+        "train": {"steps": 4, "batch_size": 8}, "optimizer": {"lr": 0.01},
         "run": {"progress": False, "plots": False},
         "mesh": {"fsdp_min_bytes": 2048}}
 STEPS = 4

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spmd.launch",),                          # scheduler + MPI bootstrap, signals
     ("spmd.comm",),                            # agreement and broadcast among ranks
     ("spmd.sharding",),                        # logical axes -> mesh axes
+    ("spmd.optim",),                           # optimizer + schedule sections and builders
     ("spmd.config", "spmd.config.schema"),     # the typed schema (a leaf)
     ("spmd.models",),                          # reference models
     ("spmd.data",),                            # sources and the batch feed

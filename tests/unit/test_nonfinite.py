@@ -73,7 +73,7 @@ def test_stop_ends_the_run_before_saving_the_nonfinite_state(run_dir):
     assert (stopped["step"], stopped["exit_code"], stopped["hook"]) == (BAD_STEP, 65,
                                                                         "nonfinite")
     assert f"at step {BAD_STEP}" in stopped["reason"] and "loss nan" in stopped["reason"]
-    assert "grad_norm nan" in stopped["reason"] and "train.lr" in stopped["reason"]
+    assert "grad_norm nan" in stopped["reason"] and "optimizer.lr" in stopped["reason"]
     saved = {(e["tier"], e["step"]) for e in events if e["event"] == "saved"}
     assert saved == {(t, s) for t in ("local", "persistent") for s in range(1, BAD_STEP)}
     assert [s.step for s in scan_local(run_dir / "local")] == [1, 2]
@@ -106,7 +106,7 @@ def test_skip_leaves_the_bad_step_out_and_goes_on(run_dir):
 
 
 def test_skip_stops_after_max_skips_in_a_row(run_dir):
-    cfg = config(run_dir, nonfinite="skip", max_skips=2, lr=1e6)
+    cfg = {**config(run_dir, nonfinite="skip", max_skips=2), "optimizer": {"lr": 1e6}}
     code, _ = params_by_step(run_dir, cfg)
     assert code == ExitCode.NONFINITE
     stopped = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stopped"][-1]
