@@ -155,7 +155,7 @@ class Plan:
         rows = [
             ("parameters", self.param_bytes, "from shardings"),
             ("optimizer state", self.optimizer_bytes, "from shardings"),
-            ("other state (step, rng" + (", ema)" if self.ema_bytes else ")"),
+            ("other (step, rng, ema)" if self.ema_bytes else "other state (step, rng)",
              self.other_state_bytes, "from shardings"),
             ("batch", self.batch_bytes, "from shardings"),
             ("arguments", self.argument_bytes, f"{by}: state + batch"),

@@ -3,8 +3,9 @@
 Owns: the pydantic sections every component is built from, YAML + `key=value` overrides,
 strict validation with closest-key errors. `schema` imports nothing of spmd but
 `spmd.errors` and `spmd.optim` (the `optimizer:` and `schedule:` sections live next to the
-code that builds from them); `load` may import `spmd.tasks` (the `model:` section is validated by the
-task's own `Config`). Names load lazily, so importing the schema never pulls in a task.
+code that builds from them); `load` may import `spmd.tasks` (the `model:` section is
+validated by the task's own `Config`). Names load lazily, so importing the schema never
+pulls in a task (nor JAX: `spmd.optim` imports optax where it builds).
 """
 
 from __future__ import annotations
