@@ -600,6 +600,14 @@ def run_recipe_case(overrides: list[str], num_devices: int, steps: int, reps: in
             "off_is": "the same recipe hand-written in plain JAX + optax"}
 
 
+def paired_text(record: dict) -> str:
+    """The paired on/off comparison of a `paired_result` record, as the summary lines print it:
+    median ratio [IQR] (95% CI), added time per step."""
+    q, (lo, hi) = record["paired_ratio"], record["paired_ratio_ci95"]
+    return (f"paired ratio {q['median']:.4f} [IQR {q['q1']:.4f}-{q['q3']:.4f}] (95% CI "
+            f"{lo:.4f}-{hi:.4f}), added {record['added_us']['median']:+.1f} us/step")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true",
@@ -668,39 +676,30 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows))
     if tracker is not None:
         t, q = tracker, tracker["paired_ratio"]
-        lo, hi = tracker["paired_ratio_ci95"]
         tracker["verdict"] = "PASS" if q["median"] <= TRACKER_TARGET else "FAIL"
         print(f"TensorBoard tracker ({t['model']}, {t['devices']} devices, every step logged): "
               f"off {t['off_ms']['median']:.3f} ms/step, tensorboard "
-              f"{t['tensorboard_ms']['median']:.3f} ms/step; paired ratio {q['median']:.4f} "
-              f"[IQR {q['q1']:.4f}-{q['q3']:.4f}] (95% CI {lo:.4f}-{hi:.4f}), added "
-              f"{t['added_us']['median']:+.1f} us/step: {tracker['verdict']} vs target <= "
-              f"{TRACKER_TARGET}")
+              f"{t['tensorboard_ms']['median']:.3f} ms/step; {paired_text(t)}: "
+              f"{tracker['verdict']} vs target <= {TRACKER_TARGET}")
         results.append(tracker)
     if recipe is not None:
         t, q = recipe, recipe["paired_ratio"]
-        lo, hi = recipe["paired_ratio_ci95"]
         t["verdict"] = None if args.short else (
             "PASS" if q["median"] <= TARGET_RATIO else "FAIL")
         print(f"recipe (grad_accum={t['recipe']['grad_accum']}, ema_decay="
               f"{t['recipe']['ema_decay']}, clipping; {t['model']}, {t['devices']} devices): "
               f"hand-written {t['off_ms']['median']:.3f} ms/step, spmd "
-              f"{t['spmd_ms']['median']:.3f} ms/step; paired ratio {q['median']:.4f} [IQR "
-              f"{q['q1']:.4f}-{q['q3']:.4f}] (95% CI {lo:.4f}-{hi:.4f}), added "
-              f"{t['added_us']['median']:+.1f} us/step: "
+              f"{t['spmd_ms']['median']:.3f} ms/step; {paired_text(t)}: "
               f"{t['verdict'] or 'short mode, no target checked'} vs target <= {TARGET_RATIO}")
         results.append(recipe)
     if stragglers is not None:
         t, q = stragglers, stragglers["paired_ratio"]
-        lo, hi = stragglers["paired_ratio_ci95"]
         t["verdict"] = None if args.short else (
             "PASS" if q["median"] <= STRAGGLER_TARGET else "FAIL")
         print(f"straggler monitor + finite checks ({t['model']}, {t['devices']} devices, "
               f"checked every step, gather over {t['gather_channel']}): off "
               f"{t['off_ms']['median']:.3f} ms/step, on {t['on_ms']['median']:.3f} ms/step; "
-              f"paired ratio {q['median']:.4f} [IQR {q['q1']:.4f}-{q['q3']:.4f}] (95% CI "
-              f"{lo:.4f}-{hi:.4f}), added {t['added_us']['median']:+.1f} us/step; the monitor "
-              f"alone {t['monitor_us_per_step']:.1f} us/step: "
+              f"{paired_text(t)}; the monitor alone {t['monitor_us_per_step']:.1f} us/step: "
               f"{t['verdict'] or 'short mode, no target checked'} vs target <= "
               f"{STRAGGLER_TARGET}")
         results.append(stragglers)

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from pydantic import Field
 
 import spmd
-from spmd.data.synthetic import TeacherRegression
 from spmd.models.layers import Dense
+from spmd.tasks.regression import RegressionTask
 
 
 class DropoutConfig(spmd.ModelConfig):
@@ -39,31 +38,18 @@ class DropoutMlp(nnx.Module):
         return self.down(self.drop(jax.nn.gelu(self.up(x)), rngs=rngs))
 
 
-class DropoutTask(spmd.Task[DropoutConfig]):
+class DropoutTask(RegressionTask):
+    """RegressionTask's fields and teacher data, with the dropout MLP and the keyword loss."""
+
     Config = DropoutConfig
     hold_rngs = False
 
     def build_model(self, rngs: nnx.Rngs) -> DropoutMlp:
         return DropoutMlp(self.model_cfg, rngs=rngs, hold_rngs=self.hold_rngs)
 
-    def batch_fields(self) -> dict[str, spmd.BatchField]:
-        m = self.model_cfg
-        return {"inputs": spmd.BatchField((m.d_in,), np.float32, ("batch", "embed")),
-                "targets": spmd.BatchField((m.d_out,), np.float32, ("batch", "channels"))}
-
     def loss(self, model, batch, *, rngs: nnx.Rngs | None = None, train: bool = True):
         pred = model(batch["inputs"], rngs=rngs)
         return jnp.mean((pred - batch["targets"]) ** 2), {"train_mode": jnp.float32(train)}
-
-    def _source(self, stream: int) -> TeacherRegression:
-        m = self.model_cfg
-        return TeacherRegression(self.cfg.train.seed, m.d_in, m.d_out, stream=stream)
-
-    def train_source(self) -> TeacherRegression:
-        return self._source(0)
-
-    def eval_source(self) -> TeacherRegression | None:
-        return self._source(1) if self.cfg.train.eval_every else None
 
     def eval_metrics(self, model, batch, **options) -> dict:
         loss, _ = self.loss(model, batch, **options)
