@@ -157,6 +157,16 @@ class TrainConfig(_Section):
     eval_ema: bool = False
 
 
+class WindowConfig(_Section):
+    # Examples are time windows of stored trajectories (a dataset `[trajectory, time, ...]`,
+    # or `[time, ...]`: one trajectory per file): `input_steps` frames in, the next
+    # `target_steps` frames as the target, a window starting every `stride` time steps.
+    # A window never crosses from one trajectory into the next (spmd.data.windows).
+    input_steps: int = Field(1, ge=1)
+    target_steps: int = Field(1, ge=1)
+    stride: int = Field(1, ge=1)
+
+
 class DataConfig(_Section):
     # Array files: hdf5 | netcdf (NetCDF4) | zarr | npy (the reader detects each file's format).
     source: Literal["synthetic", "hdf5", "netcdf", "zarr", "npy"] = "synthetic"
@@ -176,6 +186,12 @@ class DataConfig(_Section):
     # threads while a step runs (0: read when the step needs it). Batches are identical.
     prefetch: int = Field(2, ge=0)
     read_threads: int = Field(4, ge=1)
+    # Trajectory windows instead of stored (input, target) pairs; None: stored examples.
+    window: WindowConfig | None = None
+    # Train on fields normalized per channel with the statistics `spmd data stats CONFIG`
+    # stored beside the data ((x - mean) / std); metrics and predictions stay in physical
+    # units. Tasks that support it: FieldTask and its subclasses (spmd.data.statistics).
+    normalize: bool = False
 
 
 class CheckpointConfig(_Section):

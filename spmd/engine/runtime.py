@@ -47,6 +47,13 @@ class Runtime:
     eval_step: Callable | None
     sample_step: Callable | None
     pipeline: PipelineSchedule | None = None   # bound when the rules split layers into stages
+    # The eval batches' feed: `feed` itself unless the task's `eval_batch_fields()` differ
+    # (e.g. a rollout target of many steps); eval_step and sample_step are compiled for it.
+    eval_feed: BatchFeed | None = None
+
+    def __post_init__(self) -> None:
+        if self.eval_feed is None:
+            self.eval_feed = self.feed
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """ShapeDtypeStructs of one global batch, carrying the feed's shardings."""
@@ -92,12 +99,16 @@ def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
                                  donate=cfg.train.donate, schedule=schedule,
                                  grad_accum=cfg.train.grad_accum,
                                  ema_decay=cfg.train.ema_decay)
-    eval_step = (make_eval_step(task, model, state, feed.shardings, mesh, rules, schedule,
+    eval_fields = task.eval_batch_fields()
+    eval_feed = (BatchFeed(eval_fields, cfg.train.batch_size, mesh, rules)
+                 if eval_fields is not None else feed)
+    eval_step = (make_eval_step(task, model, state, eval_feed.shardings, mesh, rules, schedule,
                                 seed=cfg.train.seed)
                  if task.eval_source() is not None else None)
     has_samples = type(task).sample_outputs is not Task.sample_outputs
-    sample_step = (make_sample_step(task, model, state, feed.shardings, mesh, rules, schedule)
+    sample_step = (make_sample_step(task, model, state, eval_feed.shardings, mesh, rules,
+                                    schedule)
                    if eval_step is not None and has_samples else None)
     return Runtime(cfg, task, mesh, rules, tx, model, state, feed,
                    init_state_fn(task, cfg.train.seed, tx, state), train_step, eval_step,
-                   sample_step, schedule)
+                   sample_step, schedule, eval_feed)

@@ -28,6 +28,10 @@ def evaluate_split(trained: Trained, split: str = "test") -> dict[str, float]:
     if task.eval_source() is None:
         raise SpmdError(f"task {cfg.task} has no evaluation (its eval_source() is None): "
                         "spmd eval needs a task with eval metrics")
+    if split != "test" and task.eval_batch_fields() is not None:
+        raise SpmdError(f"--split {split}: task {cfg.task} evaluates with its own batch layout "
+                        f"(eval_batch_fields(), e.g. rollout targets) on its test split "
+                        f"only; use --split test")
     rt = build_runtime(cfg, trained.mesh, task)
     assert rt.eval_step is not None
     source = task.eval_source() if split == "test" else task.train_source()

@@ -165,7 +165,7 @@ def evaluate(rt: Runtime, params, sample_path: Path | None,
     totals: dict[str, float] = {}
     n = rt.task.eval_batches()
     for i in range(n):
-        batch = rt.feed.global_batch(source, i)
+        batch = rt.eval_feed.global_batch(source, i)
         metrics = jax.device_get(rt.eval_step(params, batch))
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + float(v) / n

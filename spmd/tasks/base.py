@@ -88,6 +88,13 @@ class Task(abc.ABC, Generic[ModelCfg]):
     def eval_source(self) -> DataSource | None:
         return None
 
+    def eval_batch_fields(self) -> Mapping[str, BatchField] | None:
+        """The batch layout of `eval_source()` when it differs from `batch_fields()` (e.g.
+        a rollout target of many time steps, where training reads one); eval_metrics and
+        sample_outputs then receive batches of this layout. None (default): batch_fields().
+        """
+        return None
+
     def eval_metrics(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> dict:
         """Per-batch metrics averaged over eval batches (only when eval_source() is not None).
 
