@@ -2,7 +2,8 @@
 
 The public names for a user's task load lazily (no h5py/grain import until used):
 `BatchField`, `DataSource`, and the on-disk array source `ArraySource` with its writer
-`write_arrays` and its error `ArrayDataError` (spmd.data.arrays). Stores and formats
+`write_arrays` and its error `ArrayDataError` (spmd.data.arrays), and `WindowSource`,
+time windows of stored trajectories (spmd.data.windows). Stores and formats
 (HDF5, NetCDF4, Zarr, .npy) live in spmd.data.stores, many files as one dataset in
 spmd.data.file_index, background reads in spmd.data.prefetch (docs/data.md).
 
@@ -20,6 +21,7 @@ _PUBLIC = {
     "ArraySource": "spmd.data.arrays",
     "ArrayDataError": "spmd.data.arrays",
     "write_arrays": "spmd.data.arrays",
+    "WindowSource": "spmd.data.windows",
 }
 
 __all__ = sorted(_PUBLIC)
