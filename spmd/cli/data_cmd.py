@@ -1,10 +1,21 @@
-"""`spmd data make CONFIG [key=value ...]`: solve the config's PDE dataset and write data.path."""
+"""`spmd data make|info|stats CONFIG [key=value ...]`: make data.path (solve the config's PDE
+dataset), describe it, or compute the per-channel statistics that data.normalize uses.
+
+`stats` runs in one process or on every rank of a job (mpiexec, srun):
+rank r reads its contiguous share of the records, the ranks exchange their partial
+statistics as JSON (spmd.comm.RankGroup) and rank 0 merges and stores them beside the data
+(spmd.data.normalization).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from typing import Any
+
+log = logging.getLogger("spmd.data.stats")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     info.add_argument("config", help="YAML config file")
     info.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     info.set_defaults(func=run)
+    stats = actions.add_parser(
+        "stats", help="per-channel count, mean, std, min, max of a split's fields, stored "
+                      "beside the data (what data.normalize trains with)")
+    stats.add_argument("config", help="YAML config file")
+    stats.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="dotted config overrides")
+    stats.add_argument("--split", choices=("train", "test"), default="train",
+                       help="the split whose datasets to describe (default train)")
+    stats.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    stats.set_defaults(func=run_stats)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,14 +61,129 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.workers < 1:
         raise SpmdError("--workers must be >= 1")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("spmd")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    _log_to_stderr(logging.INFO)
     made = task.make_data(workers=args.workers, force=args.force, compression=args.compression)
     if made is None:
         raise SpmdError(f"task {cfg.task} has no data set to make (it generates its data)")
     print(made)
     return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """`spmd data stats`: this rank's share, exchanged and merged; rank 0 writes and prints."""
+    from spmd.config.load import build_task, load_config
+    from spmd.data.arrays import ArraySource
+    from spmd.data.normalization import (
+        data_fingerprint,
+        merge_statistics,
+        partial_statistics,
+        write_statistics,
+    )
+    from spmd.errors import SpmdError
+    from spmd.launch import bootstrap, shutdown
+
+    cfg = load_config(args.config, args.overrides)
+    env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
+                    heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
+    _log_to_stderr(logging.INFO)
+    try:
+        task = build_task(cfg)
+        source = task.train_source() if args.split == "train" else task.eval_source()
+        if source is None:
+            raise SpmdError(f"task {cfg.task} gives no {args.split} source (a FieldTask "
+                            f"evaluates only with train.eval_every > 0: add train.eval_every=1)")
+        if not isinstance(source, ArraySource):
+            raise SpmdError(f"task {cfg.task} keeps no data on disk (its {args.split} source "
+                            f"is a {type(source).__name__}): there is nothing to compute "
+                            f"statistics of")
+        stamp, part = None, None
+        try:
+            plan = source.statistics_plan()
+            stamp = data_fingerprint(source.path, source.where) if env.rank == 0 else None
+            part = partial_statistics(source.path, plan, rank=env.rank, size=env.size,
+                                      where=source.where)
+        except SpmdError as e:   # told to every rank, so that none waits for this one
+            part = {"error": str(e)}
+        if "error" not in part:
+            _log_share(env, part)
+            part.pop("opened")
+        parts = [part]
+        if env.size > 1:
+            from spmd.comm.rank_group import RankGroup
+
+            group = RankGroup(env, cfg.launch.barrier_timeout_s, "launch.barrier_timeout_s",
+                              "data-stats")
+            parts = [json.loads(t) for t in
+                     allgather_text(group, json.dumps(part), "exchange partial statistics")]
+        failed = [(r, p["error"]) for r, p in enumerate(parts) if "error" in p]
+        if failed:
+            rank, message = failed[0]
+            raise SpmdError(message if env.size == 1 else f"rank {rank}: {message}")
+        if env.rank == 0:
+            merged = merge_statistics(parts)
+            target = write_statistics(source.path, merged, split=args.split,
+                                      fingerprint=stamp, where=source.where)
+            stored = json.loads(target.read_text())
+            entries = {k: stored["datasets"][k] for k in merged["datasets"]}
+            if args.json:
+                print(json.dumps({"file": str(target), "data": str(source.path),
+                                  "split": args.split, "datasets": entries}))
+            else:
+                print(_table(target, args.split, entries))
+    finally:
+        if env.size > 1:
+            shutdown()
+    return 0
+
+
+def allgather_text(group: Any, text: str, what: str) -> list[str]:
+    """Every rank's `text` of any length (ASCII, e.g. JSON), in rank order: the group's
+    string collectives carry at most spmd.launch.mpi.WIDTH bytes per call, so the texts
+    travel in pieces of that size (as many calls on every rank)."""
+    from spmd.errors import SpmdError
+    from spmd.launch.mpi import WIDTH
+
+    lengths = [int(n) for n in group.allgather_str(str(len(text)), what)]
+    pieces: list[list[str]] = [[] for _ in lengths]
+    for i in range(-(-max(lengths) // WIDTH)):
+        for rank, piece in enumerate(group.allgather_str(text[i * WIDTH:(i + 1) * WIDTH],
+                                                         what)):
+            pieces[rank].append(piece)
+    texts = ["".join(p) for p in pieces]
+    bad = [r for r, (t, n) in enumerate(zip(texts, lengths)) if len(t) != n]
+    if bad:
+        raise SpmdError(f"could not {what}: the texts of ranks {bad} arrived incomplete")
+    return texts
+
+
+def _log_share(env: Any, part: dict) -> None:
+    """Which records this rank read and which files it opened (INFO; every file at DEBUG)."""
+    opened = part["opened"]
+    ranges = sorted({tuple(e["range"]) for e in part["datasets"].values()})
+    names = (", ".join(opened) if len(opened) <= 8 else
+             f"{opened[0]} .. {opened[-1]}")
+    log.info("rank %d of %d: records %s of %s; opened %d file(s): %s", env.rank, env.size,
+             ", ".join(f"[{lo}, {hi})" for lo, hi in ranges), ", ".join(part["datasets"]),
+             len(opened), names)
+    log.debug("rank %d opened %s", env.rank, opened)
+
+
+def _table(target: Any, split: str, entries: dict) -> str:
+    lines = [f"statistics of split {split} -> {target}",
+             f"{'dataset':<24} {'channel':>7} {'count':>12} {'mean':>13} {'std':>13} "
+             f"{'min':>13} {'max':>13}"]
+    for dataset, e in entries.items():
+        for c in range(len(e["mean"])):
+            channel = str(c) if e["per_channel"] else "all"
+            lines.append(f"{dataset:<24} {channel:>7} {e['count'][c]:>12} {e['mean'][c]:>13.6g} "
+                         f"{e['std'][c]:>13.6g} {e['min'][c]:>13.6g} {e['max'][c]:>13.6g}")
+    return "\n".join(lines)
+
+
+def _log_to_stderr(level: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("spmd")
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False

@@ -190,7 +190,7 @@ class DataConfig(_Section):
     window: WindowConfig | None = None
     # Train on fields normalized per channel with the statistics `spmd data stats CONFIG`
     # stored beside the data ((x - mean) / std); metrics and predictions stay in physical
-    # units. Tasks that support it: FieldTask and its subclasses (spmd.data.statistics).
+    # units. Tasks that support it: FieldTask and its subclasses (spmd.data.normalization).
     normalize: bool = False
 
 

@@ -207,6 +207,23 @@ class ArraySource:
                                  f"{counts}; give a count or fix the file")
         return have if count is None else int(count)
 
+    def statistics_plan(self) -> dict[str, tuple[bool, int]]:
+        """What `spmd data stats` computes for this source (spmd.data.normalization): per
+        distinct dataset path, (per_channel, rows). per_channel: every field stored there
+        has the logical last axis "channels" and the stored array has that axis (not a
+        trailing channel axis of 1 left out); rows: the records used (`count`)."""
+        rows = self.count
+        plan: dict[str, tuple[bool, int]] = {}
+        for name, field in self.fields.items():
+            dataset = self.datasets[name]
+            stored = self._shapes(name)[0]
+            per_channel = (field.axes[-1] == "channels"
+                           and len(stored) == 1 + len(field.example_shape))
+            if dataset in plan:
+                per_channel = per_channel and plan[dataset][0]
+            plan[dataset] = (per_channel, rows)
+        return plan
+
     # --------------------------------------------------------- members
 
     def _member(self, i: int) -> _Lease:

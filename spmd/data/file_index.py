@@ -92,8 +92,8 @@ def resolve(path: str | Path, where: str) -> tuple[list[Path], Path, Path | None
     if has_magic(text):
         base = _glob_base(text)
         digest = hashlib.sha1(text.encode()).hexdigest()[:10]
-        matches = [Path(p) for p in sorted(glob.glob(text, recursive=True))
-                   if not Path(p).name.startswith(".spmd_index")]
+        matches = [Path(p) for p in sorted(glob.glob(text, recursive=True))   # not the
+                   if not Path(p).name.endswith(".json")]      # index or the statistics
         if not matches:
             raise ArrayDataError(f"{where}: the glob matches no file on this host (with "
                                  f"several nodes the files must be on a file system every "

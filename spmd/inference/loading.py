@@ -95,8 +95,13 @@ def locate(path: str | Path) -> RunLocation:
 
 
 def run_config(where: RunLocation, overrides: list[str] | None = None) -> Config:
-    """The run's resolved config.yaml, plus `overrides` (e.g. data.path on another machine)."""
-    return load_config(where.run_dir / CONFIG_NAME, overrides)
+    """The run's resolved config.yaml, plus `overrides` (e.g. data.path on another machine).
+    `run.dir` is where the run directory is now (it may have been moved or copied), unless
+    an override sets it."""
+    cfg = load_config(where.run_dir / CONFIG_NAME, overrides)
+    if not any(o.split("=", 1)[0].strip() == "run.dir" for o in overrides or []):
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": where.run_dir})})
+    return cfg
 
 
 def find_checkpoint(where: RunLocation, cfg: Config, step: int | None) -> ParamsCheckpoint:

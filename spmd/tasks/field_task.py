@@ -15,21 +15,31 @@ Invariants: the loss is the mean squared error; evaluation reports `eval_loss` a
 `test_rel_l2` (mean per-sample relative L2 error) over `data.eval_batches` test batches;
 the data file holds datasets `{split}/{input_name}` and `{split}/{target_name}` (data.fields
 may rename them) and is made by `spmd data make` or, when missing, by rank 0 before training.
+
+With `data.normalize: true` the model sees (x - mean_x) / std_x and the loss and `eval_loss`
+compare its output with (y - mean_y) / std_y, per channel (the last axis), with the train
+split's statistics stored beside the data (spmd.data.normalization, `spmd data stats
+CONFIG`; rank 0 computes them when it makes missing data); they are loaded once, at first
+use. `test_rel_l2`, `sample_outputs` and `predict` are in physical units (prediction =
+output * std_y + mean_y). With `data.normalize: false` the fields are used as stored.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 import logging
+import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.data.arrays import ArraySource, write_arrays
+from spmd.data.arrays import ArrayDataError, ArraySource, write_arrays
 from spmd.data.batch import BatchField
 from spmd.data.file_index import data_exists
+from spmd.data.normalization import compute_statistics, load_statistics
 from spmd.tasks.base import ModelCfg, Task
 
 log = logging.getLogger("spmd.tasks.field_task")
@@ -112,6 +122,9 @@ class FieldTask(Task[ModelCfg]):
         if is_coordinator and path is not None and not data_exists(path):
             log.info("data.path %s is missing: making it now (as `spmd data make` would)", path)
             log.info(self.make_data())
+            if self.cfg.data.normalize:
+                target, _ = compute_statistics(self.train_source(), "train")
+                log.info("data.normalize: stored the train split's statistics in %s", target)
 
     def train_source(self) -> ArraySource:
         return self._source("train", shuffle=True)
@@ -119,20 +132,89 @@ class FieldTask(Task[ModelCfg]):
     def eval_source(self) -> ArraySource | None:
         return self._source("test", shuffle=False) if self.cfg.train.eval_every else None
 
+    # ------------------------------------------------------------ normalization
+
+    def normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+        """With data.normalize: {field: (mean, std)} of the input and target fields, float32
+        arrays of shape (channels,) (std floored at a tiny epsilon) from the statistics of
+        the train split stored beside the data; loaded once. None without data.normalize.
+
+        The values used are copied to `run.dir/normalization.json`, so a trained run loads,
+        evaluates its own inputs and exports where its data are absent (spmd.load on
+        another machine); with the data present, their statistics are checked as always.
+        Raises ArrayDataError naming `spmd data stats CONFIG` when they are missing or
+        stale."""
+        if not self.cfg.data.normalize:
+            return None
+        cached = self.__dict__.get("_normalization")
+        if cached is None:
+            copy = Path(self.cfg.run.dir) / NORMALIZATION_COPY
+            if not data_exists(self.cfg.data.path) and copy.is_file():
+                cached = _read_copy(copy, (self.input_name, self.target_name))
+                log.info("data.path %s is absent: normalizing with the statistics the run "
+                         "trained with (%s)", self.cfg.data.path, copy)
+            else:
+                cached = self._stored_normalization()
+                _write_copy(copy, cached)
+            self._normalization = cached
+        return cached
+
+    def _stored_normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        source = self.train_source()
+        plan = source.statistics_plan()
+        names = {field: source.datasets[field] for field in (self.input_name,
+                                                              self.target_name)}
+        stats = load_statistics(source.path, sorted(set(names.values())),
+                                rows={d: plan[d][1] for d in names.values()},
+                                where=source.where)
+        fields, out = self.batch_fields(), {}
+        for field, dataset in names.items():
+            st, shape = stats[dataset], fields[field].example_shape
+            if shape and st.channels not in (1, shape[-1]):
+                raise ArrayDataError(
+                    f"{source.where}: the statistics of dataset '{dataset}' have "
+                    f"{st.channels} channels but field '{field}' has {shape[-1]}; rerun "
+                    f"`spmd data stats CONFIG`")
+            out[field] = (st.mean.astype(np.float32), st.scale().astype(np.float32))
+        return out
+
+    def normalize(self, name: str, value: jax.Array) -> jax.Array:
+        """Field `name` in the units the model works in ((value - mean) / std, per channel)."""
+        norm = self.normalization()
+        if norm is None:
+            return value
+        mean, std = norm[name]
+        return (value - mean) / std
+
+    def denormalize(self, name: str, value: jax.Array) -> jax.Array:
+        """Field `name` back in physical units (value * std + mean, per channel)."""
+        norm = self.normalization()
+        if norm is None:
+            return value
+        mean, std = norm[name]
+        return value * std + mean
+
     # ------------------------------------------------------------ objective
 
     def loss(self, model, batch):
-        pred = model(batch[self.input_name])
-        return jnp.mean((pred - batch[self.target_name]) ** 2), {}
+        out = model(self.normalize(self.input_name, batch[self.input_name]))
+        return jnp.mean((out - self.normalize(self.target_name, batch[self.target_name])) ** 2), {}
 
     def eval_metrics(self, model, batch) -> dict:
-        pred, truth = model(batch[self.input_name]), batch[self.target_name]
-        return {"eval_loss": jnp.mean((pred - truth) ** 2),
+        truth = batch[self.target_name]
+        out = model(self.normalize(self.input_name, batch[self.input_name]))
+        pred = self.denormalize(self.target_name, out)
+        return {"eval_loss": jnp.mean((out - self.normalize(self.target_name, truth)) ** 2),
                 "test_rel_l2": jnp.mean(relative_l2(pred, truth))}
+
+    def predict(self, model, batch):
+        """The model's target field for `batch[input_name]`, in physical units."""
+        out = model(self.normalize(self.input_name, batch[self.input_name]))
+        return self.denormalize(self.target_name, out)
 
     def sample_outputs(self, model, batch) -> dict:
         x, truth = batch[self.input_name], batch[self.target_name]
-        pred = model(x)
+        pred = self.predict(model, batch)
         return {"input": x[..., 0], "truth": truth[..., 0], "prediction": pred[..., 0],
                 "error": (pred - truth)[..., 0]}
 
@@ -140,3 +222,35 @@ class FieldTask(Task[ModelCfg]):
         from spmd.tasks.figures import plot_fields
 
         return [plot_fields(sample, Path(out_dir) / "samples.png", title=self.sample_title)]
+
+
+NORMALIZATION_COPY = "normalization.json"
+
+
+def _write_copy(path: Path, norm: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """The normalization a run trains with, in its run directory (best effort: every rank
+    writes the same bytes, each under its own temporary name, renamed into place)."""
+    text = json.dumps({f: {"mean": m.tolist(), "std": s.tolist()} for f, (m, s) in
+                       norm.items()}, indent=1)
+    try:
+        if path.is_file() and path.read_text() == text:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("cannot keep the normalization in %s (%s): loading this run without "
+                    "its data will need the data's statistics", path, e)
+
+
+def _read_copy(path: Path, fields: tuple[str, ...]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    try:
+        doc = json.loads(path.read_text())
+        return {f: (np.asarray(doc[f]["mean"], np.float32), np.asarray(doc[f]["std"],
+                                                                        np.float32))
+                for f in fields}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ArrayDataError(f"{path}: the run's normalization cannot be read ({type(e).__name__}: "
+                             f"{e}); point data.path at the data and their statistics "
+                             f"(`spmd data stats CONFIG`)") from None

@@ -1,0 +1,405 @@
+"""Per-channel statistics of stored fields, for training on normalized data (data.normalize).
+
+For each dataset path of `data.path` (one store, a directory of stores or a glob: the
+concatenation of spmd.data.file_index), over its first `rows` records: per channel (the
+stored last axis) the count, mean, population standard deviation (ddof=0), minimum and
+maximum. A dataset without a channel axis has one "channel": all its values.
+
+Invariants:
+- Values are accumulated in float64, block by block (at most `BLOCK_BYTES` of float64 per
+  block), and blocks and ranks are combined with the parallel formula of Chan, Golub &
+  LeVeque (counts n_a, n_b; delta = mean_b - mean_a; mean = mean_a + delta n_b / n;
+  M2 = M2_a + M2_b + delta^2 n_a n_b / n), so the result does not depend on the block
+  size or the rank count beyond rounding.
+- Rank r of s takes records [r N // s, (r + 1) N // s) of each dataset (N its rows) and
+  opens only the members holding them, each once (the cached index gives their sizes).
+- A partial result (`partial_statistics`) and a merged one (`merge_statistics`) are plain
+  JSON-able dicts; floats round-trip exactly through `json`.
+- The statistics are stored beside the data (`statistics_file`): `P.stats.json` next to a
+  store `P`, `<dir>/stats.json` in a directory of stores, `stats-<hash>.json` next to a
+  glob's index; written atomically (a temporary name, then os.replace). The file holds each
+  dataset's split and rows and the data's fingerprint (every member's size and mtime), so
+  `load_statistics` refuses statistics of data changed since; every error names the file
+  and the command that computes them, `spmd data stats CONFIG`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spmd.data.file_index import has_magic, load_index, resolve
+from spmd.data.stores import ArrayDataError, Store, fingerprint
+
+__all__ = ["BLOCK_BYTES", "FieldStatistics", "compute_statistics", "data_fingerprint",
+           "load_statistics", "merge_statistics", "partial_statistics", "rank_rows",
+           "statistics_file", "write_statistics"]
+
+STATS_VERSION = 1
+BLOCK_BYTES = 64 * 2**20            # float64 bytes of one block of rows
+STD_FLOOR_REL = 1e-6                # std floor relative to |mean| (a constant channel)
+STD_FLOOR_ABS = 1e-30               # absolute std floor (a channel of zeros)
+COMMAND = "spmd data stats CONFIG"
+
+
+@dataclass(frozen=True)
+class FieldStatistics:
+    """One dataset's statistics: float64 arrays of shape (channels,)."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+
+    @property
+    def channels(self) -> int:
+        return int(self.mean.shape[0])
+
+    def scale(self) -> np.ndarray:
+        """The std to divide by: floored at a tiny epsilon (1e-6 |mean|, at least 1e-30),
+        so a constant channel normalizes to 0 instead of dividing by 0."""
+        floor = np.maximum(STD_FLOOR_REL * np.abs(self.mean), STD_FLOOR_ABS)
+        return np.maximum(self.std, floor)
+
+
+def rank_rows(rows: int, rank: int, size: int) -> tuple[int, int]:
+    """Records [lo, hi) of `rows` that rank `rank` of `size` takes (contiguous ranges)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not one of {size} ranks")
+    return rows * rank // size, rows * (rank + 1) // size
+
+
+# ---------------------------------------------------------------- moments
+
+
+@dataclass
+class _Moments:
+    """Count, mean, M2 (sum of squared deviations), min and max per channel."""
+
+    n: int
+    mean: np.ndarray
+    m2: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+    @classmethod
+    def empty(cls, channels: int) -> _Moments:
+        zeros = np.zeros(channels, np.float64)
+        return cls(0, zeros, zeros.copy(), np.full(channels, np.inf), np.full(channels, -np.inf))
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> _Moments:
+        """The moments of `values` (rows, channels), float64."""
+        mean = values.mean(axis=0)
+        return cls(values.shape[0], mean, ((values - mean) ** 2).sum(axis=0),
+                   values.min(axis=0), values.max(axis=0))
+
+    def combine(self, other: _Moments) -> _Moments:
+        """Chan, Golub & LeVeque's pairwise update."""
+        if other.n == 0:
+            return self
+        if self.n == 0:
+            return other
+        n = self.n + other.n
+        delta = other.mean - self.mean
+        return _Moments(n, self.mean + delta * (other.n / n),
+                        self.m2 + other.m2 + delta**2 * (self.n * other.n / n),
+                        np.minimum(self.lo, other.lo), np.maximum(self.hi, other.hi))
+
+    def to_json(self) -> dict[str, Any]:
+        empty = self.n == 0
+        return {"count": self.n, "mean": self.mean.tolist(), "m2": self.m2.tolist(),
+                "min": None if empty else self.lo.tolist(),
+                "max": None if empty else self.hi.tolist()}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], channels: int) -> _Moments:
+        if int(doc["count"]) == 0:
+            return cls.empty(channels)
+        arrays = [np.asarray(doc[k], np.float64) for k in ("mean", "m2", "min", "max")]
+        return cls(int(doc["count"]), *arrays)
+
+
+# ---------------------------------------------------------------- partial statistics
+
+
+def partial_statistics(path: str | Path, plan: Mapping[str, tuple[bool, int]], *,
+                       rank: int = 0, size: int = 1, where: str = "data.path",
+                       block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
+    """This rank's statistics of each dataset of `plan` ({dataset path: (per_channel,
+    rows)}): of records [rank rows // size, (rank + 1) rows // size) of the first `rows`.
+
+    Returns a JSON-able dict: `datasets` (per dataset: per_channel, channels, rows, the
+    record range, count, mean, m2, min, max) and `opened` (the member files this rank
+    opened, in order). Raises ArrayDataError naming the file, dataset and `where`."""
+    files = load_index(path, where)
+    members = files.members
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    if files.multi:
+        for dataset in plan:
+            shapes[dataset] = []
+            for member in members:
+                if member.datasets is None or dataset not in member.datasets:
+                    raise ArrayDataError(f"{where}: file {member.path}: dataset '{dataset}' is "
+                                         f"missing (data.fields); every file must hold it")
+                shapes[dataset].append(tuple(member.datasets[dataset][0]))
+    else:
+        store = Store(members[0].path, where, members[0].format)
+        try:
+            for dataset in plan:
+                shapes[dataset] = [tuple(store.get(dataset, "data.fields").shape)]
+        finally:
+            store.close()
+
+    # which member rows each dataset needs: member -> [(dataset, lo, hi)]
+    work: dict[int, list[tuple[str, int, int]]] = {}
+    out: dict[str, Any] = {}
+    moments: dict[str, _Moments] = {}
+    for dataset, (per_channel, rows) in plan.items():
+        dims = shapes[dataset]
+        example = dims[0][1:]
+        total = sum(d[0] for d in dims)
+        if rows > total:
+            raise ArrayDataError(f"{where}: dataset '{dataset}' holds {total} records but "
+                                 f"statistics of {rows} are asked for; lower the record count "
+                                 f"(data.num_train / data.num_test) or use more data")
+        channel = bool(per_channel) and len(example) > 0
+        channels = int(example[-1]) if channel else 1
+        lo, hi = rank_rows(int(rows), rank, size)
+        out[dataset] = {"per_channel": channel, "channels": channels, "rows": int(rows),
+                        "range": [lo, hi]}
+        moments[dataset] = _Moments.empty(channels)
+        offset = 0
+        for i, d in enumerate(dims):
+            a, b = max(lo, offset), min(hi, offset + d[0])
+            if a < b:
+                work.setdefault(i, []).append((dataset, a - offset, b - offset))
+            offset += d[0]
+
+    opened: list[str] = []
+    for i in sorted(work):
+        member = members[i]
+        label = f"{where}: file {member.path}" if files.multi else where
+        store = Store(member.path, label, member.format)
+        opened.append(str(member.path))
+        try:
+            for dataset, a, b in work[i]:
+                array = store.get(dataset, "data.fields")
+                channels = out[dataset]["channels"]
+                per_row = max(1, math.prod(array.shape[1:]))
+                step = max(1, block_bytes // (8 * per_row))
+                for start in range(a, b, step):
+                    block = _read(array, start, min(b, start + step), label, dataset)
+                    moments[dataset] = moments[dataset].combine(
+                        _Moments.of(block.reshape(-1, channels)))
+        finally:
+            store.close()
+    for dataset, m in moments.items():
+        out[dataset].update(m.to_json())
+    return {"datasets": out, "opened": opened}
+
+
+def _read(array: Any, start: int, stop: int, where: str, dataset: str) -> np.ndarray:
+    try:
+        return np.asarray(array[start:stop], dtype=np.float64)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:   # a damaged chunk
+        raise ArrayDataError(f"{where}: reading rows [{start}, {stop}) of dataset "
+                             f"'{dataset}' failed ({type(e).__name__}: {e}); the file may "
+                             f"be truncated or corrupt (left unchanged)") from None
+
+
+def merge_statistics(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The statistics of several partial results (of disjoint records, e.g. one per rank,
+    in any order), in the same form; the record ranges must tile one range."""
+    if not parts:
+        raise ValueError("merge_statistics: no partial statistics")
+    names = list(parts[0]["datasets"])
+    out: dict[str, Any] = {}
+    for dataset in names:
+        entries = [p["datasets"][dataset] for p in parts]
+        first = entries[0]
+        for e in entries:
+            if (e["rows"], e["channels"], e["per_channel"]) != (
+                    first["rows"], first["channels"], first["per_channel"]):
+                raise ValueError(f"merge_statistics: partial statistics of '{dataset}' "
+                                 f"disagree on rows, channels or per_channel: {e} vs {first}")
+        ranges = sorted(tuple(e["range"]) for e in entries)
+        for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+            if hi != lo:
+                raise ValueError(f"merge_statistics: partial statistics of '{dataset}' cover "
+                                 f"records {ranges}, which are not one contiguous range")
+        total = _Moments.empty(first["channels"])
+        for e in sorted(entries, key=lambda e: e["range"][0]):
+            total = total.combine(_Moments.from_json(e, first["channels"]))
+        out[dataset] = {"per_channel": first["per_channel"], "channels": first["channels"],
+                        "rows": first["rows"], "range": [ranges[0][0], ranges[-1][1]],
+                        **total.to_json()}
+    return {"datasets": out}
+
+
+# ---------------------------------------------------------------- the file beside the data
+
+
+def statistics_file(path: str | Path, where: str = "data.path") -> Path:
+    """Where the statistics of `data.path` are stored: `P.stats.json` beside a store `P`,
+    `<dir>/stats.json` in a directory of stores, `stats-<hash>.json` beside a glob's index
+    (`<the glob's fixed directory>/.spmd_index-<hash>.json`)."""
+    text = str(path)
+    if not has_magic(text):
+        p = Path(text)
+        if not p.is_dir():
+            return p.with_name(p.name + ".stats.json")
+    _, _, cache = resolve(path, where)
+    if cache is None:                                   # a single store directory
+        p = Path(text)
+        return p.with_name(p.name + ".stats.json")
+    if has_magic(text):
+        return cache.with_name(cache.name.replace(".spmd_index-", "stats-", 1))
+    return cache.parent / "stats.json"
+
+
+def data_fingerprint(path: str | Path, where: str = "data.path") -> dict[str, dict[str, int]]:
+    """Every member's size and mtime (spmd.data.stores.fingerprint), by its name relative
+    to the dataset's base directory (as in the index)."""
+    paths, base, cache = resolve(path, where)
+    out = {}
+    for p in paths:
+        if not p.exists():
+            raise ArrayDataError(f"{where}: file {p}: no such file or directory on this host")
+        try:
+            name = p.name if cache is None else str(p.relative_to(base))
+        except ValueError:
+            name = str(p)
+        out[name] = fingerprint(p)
+    return out
+
+
+def write_statistics(path: str | Path, stats: Mapping[str, Any], *, split: str,
+                     fingerprint: Mapping[str, Any] | None = None,
+                     where: str = "data.path") -> Path:
+    """Store merged statistics (`merge_statistics`) of split `split` beside the data,
+    atomically. `fingerprint`: the data's, taken before reading (default: now). Datasets
+    already in the file for the same data are kept; a file of other data is replaced."""
+    target = statistics_file(path, where)
+    stamp = dict(fingerprint) if fingerprint is not None else data_fingerprint(path, where)
+    datasets: dict[str, Any] = {}
+    try:
+        old = json.loads(target.read_text())
+        if old.get("version") == STATS_VERSION and old.get("fingerprint") == stamp:
+            datasets.update(old.get("datasets", {}))
+    except (OSError, ValueError, AttributeError):
+        pass
+    for dataset, e in stats["datasets"].items():
+        if list(e["range"]) != [0, e["rows"]]:
+            raise ValueError(f"write_statistics: statistics of '{dataset}' cover records "
+                             f"{e['range']}, not all {e['rows']} (a rank's part missing?)")
+        if int(e["count"]) == 0:
+            raise ArrayDataError(f"{where}: dataset '{dataset}' has no values to compute "
+                                 f"statistics of ({e['rows']} records)")
+        count = int(e["count"])
+        std = np.sqrt(np.maximum(np.asarray(e["m2"], np.float64) / count, 0.0))
+        datasets[dataset] = {"split": split, "rows": e["rows"], "per_channel": e["per_channel"],
+                             "count": [count] * e["channels"], "mean": list(e["mean"]),
+                             "std": std.tolist(), "min": list(e["min"]), "max": list(e["max"])}
+    doc = {"version": STATS_VERSION, "data": str(path), "fingerprint": stamp,
+           "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
+           "datasets": dict(sorted(datasets.items()))}
+    tmp = target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ArrayDataError(f"{where}: cannot write the statistics file {target} ({e}); "
+                             f"make its directory writable and rerun `{COMMAND}`") from None
+    return target
+
+
+def load_statistics(path: str | Path, datasets: Iterable[str] | None = None, *,
+                    rows: Mapping[str, int] | None = None,
+                    where: str = "data.path") -> dict[str, FieldStatistics]:
+    """The stored statistics of `datasets` (default: all in the file), checked against the
+    data now on disk and, for the datasets of `rows`, against the records used. Raises
+    ArrayDataError naming the file and `spmd data stats CONFIG` when they are missing or
+    stale."""
+    target = statistics_file(path, where)
+    rerun = f"compute them with `{COMMAND}`"
+    try:
+        doc = json.loads(target.read_text())
+    except FileNotFoundError:
+        raise ArrayDataError(f"{where}: no normalization statistics (data.normalize is true): "
+                             f"{target} is missing; {rerun}") from None
+    except (OSError, ValueError) as e:
+        raise ArrayDataError(f"{where}: the statistics file {target} is unreadable ({e}); "
+                             f"{rerun} again") from None
+    if not isinstance(doc, dict) or doc.get("version") != STATS_VERSION:
+        raise ArrayDataError(f"{where}: the statistics file {target} is not of version "
+                             f"{STATS_VERSION}; {rerun} again")
+    _check_fresh(doc.get("fingerprint") or {}, data_fingerprint(path, where), path, target,
+                 where)
+    stored = doc.get("datasets") or {}
+    out = {}
+    for dataset in (list(stored) if datasets is None else list(datasets)):
+        e = stored.get(dataset)
+        if e is None:
+            raise ArrayDataError(f"{where}: the statistics file {target} has no dataset "
+                                 f"'{dataset}' (it has {sorted(stored)}); {rerun} (with "
+                                 f"--split for a test split)")
+        want = None if rows is None else rows.get(dataset)
+        if want is not None and int(e["rows"]) != int(want):
+            raise ArrayDataError(
+                f"{where}: the statistics in {target} of dataset '{dataset}' cover "
+                f"{e['rows']} records but {want} are used now (data.num_train changed?); "
+                f"{rerun} again")
+        try:
+            out[dataset] = FieldStatistics(*(np.asarray(e[k], np.float64)
+                                             for k in ("count", "mean", "std", "min", "max")))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ArrayDataError(f"{where}: the statistics file {target} is malformed at "
+                                 f"'{dataset}' ({err}); {rerun} again") from None
+    return out
+
+
+def _check_fresh(stored: Mapping[str, Any], now: Mapping[str, Any], path: str | Path,
+                 target: Path, where: str) -> None:
+    """The data are those the statistics were computed of, else an error naming the file."""
+    files = Path(str(path))
+    _, base, cache = resolve(path, where)
+
+    def full(name: str) -> Path:
+        return files if cache is None else base / name
+
+    rerun = f"rerun `{COMMAND}` (statistics in {target})"
+    for name, stamp in stored.items():
+        if name not in now:
+            raise ArrayDataError(f"{where}: file {full(name)} is gone since its statistics "
+                                 f"were computed; {rerun}")
+        if dict(now[name]) != dict(stamp):
+            raise ArrayDataError(f"{where}: the data file {full(name)} changed since its "
+                                 f"statistics were computed (size, mtime {dict(stamp)} -> "
+                                 f"{dict(now[name])}); {rerun}")
+    new = sorted(set(now) - set(stored))
+    if new:
+        raise ArrayDataError(f"{where}: file(s) {[str(full(n)) for n in new]} appeared since "
+                             f"the statistics were computed; {rerun}")
+
+
+def compute_statistics(source: Any, split: str) -> tuple[Path, dict[str, Any]]:
+    """In one process: the statistics of `source` (an ArraySource: `statistics_plan()`,
+    `path`, `where`) stored beside its data; (the file, the merged statistics)."""
+    plan = source.statistics_plan()
+    stamp = data_fingerprint(source.path, source.where)
+    part = partial_statistics(source.path, plan, where=source.where)
+    merged = merge_statistics([part])
+    return write_statistics(source.path, merged, split=split, fingerprint=stamp,
+                            where=source.where), merged
