@@ -242,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     # each rank behind a shim: Hydra then sees its exit code, not a death by signal, and
     # leaves the other ranks alive to name the lost one (see launch/rank_shim.py)
     rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
-                *(["--debug"] if args.debug else []), args.entry, args.config, *args.overrides]
+                *(["--debug"] if args.debug else []), *args.entry.split(), args.config,
+                *args.overrides]
     cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, save_s), *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)

@@ -1,5 +1,6 @@
 """`spmd data stats CONFIG` on a directory of 6 HDF5 parts (examples/vit2d's task, the first
-40 of 48 records): one process, and 2 ranks under mpiexec that exchange partial statistics.
+40 of 48 records): one process, and 2 ranks (`spmd run -n 2 --entry "data stats"`,
+through mpiexec) that exchange partial statistics.
 Both store NumPy's per-channel statistics of the concatenated data beside it, and each of
 the 2 ranks opens only the 3 files that hold its 20 records (its log line says which)."""
 
@@ -7,14 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 
 from spmd.data import write_arrays
-from tests.helpers.env import REPO, clean_env, require, run_spmd
+from tests.helpers.env import clean_env, require, run_spmd
 
 PARTS, PER, ROWS, GRID = 6, 8, 40, 8
 
@@ -53,7 +51,7 @@ def check_stored(parts, data):
 
 
 def test_data_stats_on_one_and_on_two_ranks(tmp_path):
-    from spmd.cli.run_cmd import find_mpiexec, flavor_args
+    from spmd.cli.run_cmd import find_mpiexec
 
     data, parts, config = dataset(tmp_path)
     one = run_spmd("data", "stats", str(config), "--json", env=clean_env(), timeout=120)
@@ -64,14 +62,10 @@ def test_data_stats_on_one_and_on_two_ranks(tmp_path):
     assert printed["datasets"] == first
     assert "opened 5 file(s)" in one.stderr            # records [0, 40): parts 0 .. 4
 
-    require(shutil.which("mpiexec") is not None or find_mpiexec() is not None, "mpiexec")
+    require(find_mpiexec() is not None, "mpiexec (pip install -e '.[local]')")
     (parts / "stats.json").unlink()
-    mpiexec = find_mpiexec()
-    two = subprocess.run(
-        [str(mpiexec), "-n", "2", *flavor_args(mpiexec), sys.executable, "-m", "spmd.cli",
-         "data", "stats", str(config)], capture_output=True, text=True, timeout=180, cwd=REPO,
-        env=clean_env(JAX_NUM_CPU_DEVICES="1", SPMD_PROCESSES_PER_NODE="1",
-                      PYTHONPATH=str(REPO)))
+    two = run_spmd("run", "-n", "2", "--entry", "data stats", str(config), timeout=180,
+                   env=clean_env(JAX_NUM_CPU_DEVICES="1"))
     assert two.returncode == 0, two.stdout + two.stderr
     assert "statistics of split train" in two.stdout and "train/f" in two.stdout
     second = check_stored(parts, data)
