@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Task": "spmd.tasks.base",
     "FieldTask": "spmd.tasks.field_task",
+    "TrajectoryTask": "spmd.tasks.trajectory_task",
     "BatchField": "spmd.data.batch",
     "DataSource": "spmd.data.batch",
     "ModelConfig": "spmd.config.schema",

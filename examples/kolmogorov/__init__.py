@@ -1,0 +1,1 @@
+"""An FNO surrogate of 2-D Kolmogorov flow, rolled out autoregressively (see task.py)."""

@@ -1,0 +1,389 @@
+"""Autoregressive surrogates of time-dependent fields, trained on windows of trajectories.
+
+`TrajectoryTask` is the `FieldTask` of time stepping (weather-style emulators): the model
+maps the last `data.window.input_steps` frames of a field to the next frame, and a
+prediction is fed back as input to step further. A subclass writes its model and says how
+to make trajectories:
+
+    class FlowTask(spmd.TrajectoryTask):
+        state_name = "vorticity"
+        class Config(spmd.ModelConfig): ...
+        def build_model(self, rngs): ...        # (batch, x, y, input_channels()) -> frame
+        def frame_shape(self): return (grid, grid, 1)
+        def make_trajectories(self, count, seed): return w   # (count, time, x, y, C) float32
+
+Invariants:
+- On disk, data.path is a directory of `files()` member stores `part-000.<ext>`, ...
+  (Zarr for data.source synthetic / zarr, NetCDF4 `.nc`, HDF5 `.h5`), each written
+  atomically and holding `train/<state_name>` and `test/<state_name>` of shape
+  `[trajectory, time, *frame]`; the trajectories of a split are spread evenly over the
+  files, and a file's trajectories depend only on (data.seed, split, file), never on
+  `--workers`. Before training, rank 0 makes the files when data.path is missing, empty
+  or holds only some of them; a directory of other stores is read as it is.
+- Examples are windows of the trajectories (spmd.data.windows, layout "channels": the
+  input is `(x, y, input_steps * C)`, the target `(x, y, target_steps * C)`).
+- The loss is the mean squared error over all `data.window.target_steps` steps of an
+  autoregressive rollout: each step's input is the last `input_steps` frames, predictions
+  included.
+- Evaluation (the test split, in file order) rolls the model out `rollout_steps()` steps
+  from each window's input: `eval_loss` (one-step MSE), `test_rel_l2` (one-step mean
+  per-sample relative L2) and `rollout_rel_l2_<k>` for every lead k (zero-padded to sort).
+- data.window must be set (no default window); data.normalize is refused (the task's
+  generator stores fields of order one).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd.config.schema import WindowConfig
+from spmd.data.batch import BatchField
+from spmd.data.file_index import INDEX_NAME, data_exists, has_magic
+from spmd.data.stores import ArrayDataError, is_member_name, write_arrays
+from spmd.data.windows import WindowSource
+from spmd.errors import ConfigError
+from spmd.tasks.base import ModelCfg, Task
+from spmd.tasks.field_task import relative_l2
+
+log = logging.getLogger("spmd.tasks.trajectory_task")
+
+SPLITS = ("train", "test")
+SUFFIXES = {"zarr": ".zarr", "netcdf": ".nc", "hdf5": ".h5"}
+FORMAT_OF_SOURCE = {"synthetic": "zarr", "zarr": "zarr", "netcdf": "netcdf", "hdf5": "hdf5"}
+
+
+def rollout_key(lead: int, steps: int) -> str:
+    """The metric name of lead `lead` of `steps`: rollout_rel_l2_3, or _03 when steps > 9."""
+    return f"rollout_rel_l2_{lead:0{len(str(steps)) if steps > 9 else 1}d}"
+
+
+class TrajectoryTask(Task[ModelCfg]):
+    """The next frame from the last `input_steps` frames, rolled out autoregressively.
+
+    Generic in its model config as `Task` is. The model maps `(batch, x, y, input_steps *
+    C)` to one frame `(batch, x, y, C)`; `frame_shape()` is (x, y, C).
+    """
+
+    state_name: str = "state"
+    frame_axes: tuple[str | None, ...] = ("batch", "x", "y", "channels")
+    input_name: str = "input"
+    target_name: str = "target"
+    sample_title: str = "Test samples at the last evaluation"
+
+    @abc.abstractmethod
+    def frame_shape(self) -> tuple[int, ...]:
+        """Per-frame shape of the state, channels last: (x, y, C)."""
+
+    @abc.abstractmethod
+    def make_trajectories(self, count: int, seed: int) -> np.ndarray:
+        """`count` trajectories from `seed`: float32 `[count, time, *frame_shape()]`."""
+
+    def data_attrs(self) -> dict:
+        """Attributes stored with every data file (what made it)."""
+        return {}
+
+    def rollout_steps(self) -> int:
+        """Model steps of the evaluation rollout: model.rollout_steps if the model config
+        has it, else 8."""
+        return int(getattr(self.model_cfg, "rollout_steps", 8))
+
+    def dt(self) -> float | None:
+        """Physical time between two frames (one model step), for the plots; None: unknown."""
+        return None
+
+    def files(self) -> int:
+        """Member files of the dataset: model.files if the model config has it, else 1."""
+        return int(getattr(self.model_cfg, "files", 1))
+
+    # ------------------------------------------------------------ layout
+
+    def window(self) -> WindowConfig:
+        """data.window, required (an error naming it when unset)."""
+        d = self.cfg.data
+        if d.window is None:
+            raise ConfigError(
+                f"data.window is not set: the task {self.cfg.task} trains on time windows of "
+                f"trajectories; set data.window.input_steps, data.window.target_steps and "
+                f"data.window.stride (e.g. 1, 1, 1)")
+        if d.normalize:
+            raise ConfigError(f"data.normalize=true is not supported by the trajectory task "
+                              f"{self.cfg.task} (its data is made of order one); set "
+                              f"data.normalize=false")
+        return d.window
+
+    def frame_channels(self) -> int:
+        return int(self.frame_shape()[-1])
+
+    def input_channels(self) -> int:
+        """Channels of the model's input: input_steps frames stacked along channels."""
+        return self.window().input_steps * self.frame_channels()
+
+    def _fields(self, target_steps: int) -> dict[str, BatchField]:
+        *space, c = self.frame_shape()
+        w = self.window()
+        return {self.input_name: BatchField((*space, w.input_steps * c), np.float32,
+                                            self.frame_axes),
+                self.target_name: BatchField((*space, target_steps * c), np.float32,
+                                             self.frame_axes)}
+
+    def batch_fields(self) -> dict[str, BatchField]:
+        return self._fields(self.window().target_steps)
+
+    def eval_batch_fields(self) -> dict[str, BatchField] | None:
+        if self.rollout_steps() == self.window().target_steps:
+            return None
+        return self._fields(self.rollout_steps())
+
+    def dataset_paths(self) -> dict[str, str]:
+        state = f"{{split}}/{self.state_name}"
+        return {self.input_name: state, self.target_name: state}
+
+    def prediction_input(self) -> str:
+        return self.input_name
+
+    # ------------------------------------------------------------ sources
+
+    def _source(self, split: str, shuffle: bool, target_steps: int | None = None
+                ) -> WindowSource:
+        fields = self.batch_fields() if target_steps is None else self._fields(target_steps)
+        return WindowSource.from_config(self.cfg, split, fields, f"{{split}}/{self.state_name}",
+                                        input_name=self.input_name,
+                                        target_name=self.target_name, layout="channels",
+                                        shuffle=shuffle, target_steps=target_steps)
+
+    def train_source(self) -> WindowSource:
+        return self._source("train", shuffle=True)
+
+    def eval_source(self) -> WindowSource | None:
+        if not self.cfg.train.eval_every:
+            return None
+        return self._source("test", shuffle=False, target_steps=self.rollout_steps())
+
+    # ------------------------------------------------------------ data on disk
+
+    def data_format(self) -> str:
+        """The member store format, from data.source."""
+        source = self.cfg.data.source
+        if source not in FORMAT_OF_SOURCE:
+            raise ConfigError(f"data.source={source}: a trajectory dataset is written as "
+                              f"zarr, netcdf or hdf5 member files; set data.source to one of "
+                              f"those (synthetic: zarr)")
+        return FORMAT_OF_SOURCE[source]
+
+    def data_dir(self) -> Path:
+        path = self.cfg.data.path
+        if path is None:
+            raise ConfigError(f"data.path is not set: the task {self.cfg.task} reads its "
+                              f"trajectories from a directory of files (made by `spmd data "
+                              f"make CONFIG`)")
+        if has_magic(str(path)):
+            raise ConfigError(f"data.path={path}: a glob; `spmd data make` writes a "
+                              f"directory of files: give data.path a plain directory")
+        return Path(path)
+
+    def member_paths(self) -> list[Path]:
+        """The member stores make_data writes, in order."""
+        suffix = SUFFIXES[self.data_format()]
+        return [self.data_dir() / f"part-{i:03d}{suffix}" for i in range(self.files())]
+
+    def data_incomplete(self) -> bool:
+        """Whether make_data has work to do before training: data.path is missing, or a
+        directory that is empty or holds some but not all of its member stores (an
+        interrupted `spmd data make`). Other stores (the user's own) are complete."""
+        path = self.cfg.data.path
+        if path is None:
+            return False
+        if not data_exists(path):
+            return True
+        if has_magic(str(path)) or not Path(path).is_dir():
+            return False
+        present = [p.exists() for p in self.member_paths()]
+        if not any(present):        # an empty directory, or the user's own stores
+            return not any(not c.name.startswith(".") for c in Path(path).iterdir())
+        return not all(present)
+
+    def _jobs(self) -> list[tuple[Path, dict[str, tuple[int, int]]]]:
+        """Per member: (path, {split: (trajectories, seed)})."""
+        d, n = self.cfg.data, self.files()
+        for key, count in (("data.num_train", d.num_train), ("data.num_test", d.num_test)):
+            if count < n:
+                raise ConfigError(f"{key}={count} trajectories cannot fill {n} files "
+                                  f"(model.files): raise {key} or lower model.files")
+        counts = {s: [len(c) for c in np.array_split(np.arange(total), n)]
+                  for s, total in zip(SPLITS, (d.num_train, d.num_test))}
+        jobs = []
+        for i, path in enumerate(self.member_paths()):
+            seeds = {s: int(np.random.SeedSequence([d.seed, k, i]).generate_state(1)[0])
+                     for k, s in enumerate(SPLITS)}
+            jobs.append((path, {s: (counts[s][i], seeds[s]) for s in SPLITS}))
+        return jobs
+
+    def _check_foreign(self, mine: list[Path]) -> None:
+        """No other member store in the directory (it would join the dataset)."""
+        root = self.data_dir()
+        if not root.is_dir():
+            if root.exists():
+                raise ArrayDataError(f"data.path={root}: a file, but a trajectory dataset is "
+                                     f"a directory of member files; point data.path at a "
+                                     f"directory (the file was left unchanged)")
+            return
+        names = {p.name for p in mine}
+        others = sorted(str(c) for c in root.iterdir()
+                        if is_member_name(c) and c.name not in names)
+        if others:
+            raise ArrayDataError(
+                f"data.path={root}: holds other data files {others[:5]} that would join the "
+                f"dataset of model.files={self.files()} {self.data_format()} files; move them "
+                f"away or choose another data.path (nothing was changed)")
+
+    def make_member(self, path: Path, parts: dict[str, tuple[int, int]]) -> Path:
+        """Solve and write one member store (atomically)."""
+        arrays, frame = {}, tuple(self.frame_shape())
+        for split, (count, seed) in parts.items():
+            w = np.asarray(self.make_trajectories(count, seed))
+            if w.ndim != 2 + len(frame) or w.shape[0] != count or w.shape[2:] != frame:
+                raise ArrayDataError(f"{type(self).__name__}.make_trajectories({count}, {seed})"
+                                     f" returned shape {w.shape}; [trajectory, time, *{frame}] "
+                                     f"is needed (frame_shape())")
+            arrays[f"{split}/{self.state_name}"] = w.astype(np.float32, copy=False)
+        steps = {a.shape[1] for a in arrays.values()}
+        chunks = {k: (1, 1, *frame) for k in arrays}
+        fmt = self.data_format()
+        shards = {k: (1, a.shape[1], *frame) for k, a in arrays.items()} if fmt == "zarr" \
+            else None
+        attrs = {"seed": self.cfg.data.seed, "state": self.state_name,
+                 "layout": "[trajectory, time, *frame]", "time_steps": max(steps),
+                 **({"dt": self.dt()} if self.dt() is not None else {}), **self.data_attrs()}
+        return write_arrays(path, arrays, attrs, format=fmt, chunks=chunks, shards=shards)
+
+    def make_data(self, *, workers: int = 1, force: bool = False, **options) -> str:
+        """`spmd data make`: write the member stores missing from data.path (every one with
+        `force`), in `workers` processes."""
+        d, root = self.cfg.data, self.data_dir()
+        self.window()
+        jobs = self._jobs()
+        self._check_foreign([p for p, _ in jobs])
+        todo = [(p, parts) for p, parts in jobs if force or not p.exists()]
+        if not todo:
+            return f"{root} exists ({self.describe_data()})"
+        started = time.perf_counter()
+        if workers > 1 and len(todo) > 1:
+            with ProcessPoolExecutor(min(workers, len(todo)), mp_context=get_context("spawn")
+                                     ) as pool:
+                for path in pool.map(self.make_member, *zip(*todo)):
+                    log.info("wrote %s", path)
+        else:
+            for path, parts in todo:
+                log.info("wrote %s", self.make_member(path, parts))
+        (root / INDEX_NAME).unlink(missing_ok=True)   # the cache of the files just replaced
+        return (f"wrote {len(todo)} of {len(jobs)} files in {root} in "
+                f"{time.perf_counter() - started:.1f} s: {d.num_train} train and {d.num_test} "
+                f"test trajectories of {self.state_name}, frame {tuple(self.frame_shape())}")
+
+    def describe_data(self) -> str:
+        train = self._source("train", False)
+        test = self._source("test", False, self.rollout_steps())
+        files = train.files.members
+        return (f"{self.cfg.data.path}: {len(files)} file(s), {train.count} train windows, "
+                f"{test.count} test windows of {self.rollout_steps()} rollout steps, dataset "
+                f"{train.dataset}")
+
+    def prepare(self, is_coordinator: bool) -> None:
+        if is_coordinator and self.data_incomplete():
+            log.info("data.path %s is missing or incomplete: making it now (as `spmd data "
+                     "make` would)", self.cfg.data.path)
+            log.info(self.make_data())
+
+    # ------------------------------------------------------------ objective
+
+    def rollout(self, model, inputs: jax.Array, steps: int) -> list[jax.Array]:
+        """`steps` predicted frames, each from the last input_steps frames (fed back)."""
+        c, frames = self.frame_channels(), []
+        x = inputs
+        for _ in range(steps):
+            frame = model(x)
+            frames.append(frame)
+            x = jnp.concatenate([x[..., c:], frame.astype(x.dtype)], axis=-1)
+        return frames
+
+    def _truths(self, target: jax.Array, steps: int) -> list[jax.Array]:
+        c = self.frame_channels()
+        return [target[..., k * c:(k + 1) * c] for k in range(steps)]
+
+    def loss(self, model, batch):
+        steps = self.window().target_steps
+        pred = jnp.concatenate(self.rollout(model, batch[self.input_name], steps), axis=-1)
+        return jnp.mean((pred - batch[self.target_name]) ** 2), {}
+
+    def eval_metrics(self, model, batch) -> dict:
+        steps = self.rollout_steps()
+        preds = self.rollout(model, batch[self.input_name], steps)
+        truths = self._truths(batch[self.target_name], steps)
+        metrics = {"eval_loss": jnp.mean((preds[0] - truths[0]) ** 2),
+                   "test_rel_l2": jnp.mean(relative_l2(preds[0], truths[0]))}
+        for k, (p, t) in enumerate(zip(preds, truths), 1):
+            metrics[rollout_key(k, steps)] = jnp.mean(relative_l2(p, t))
+        return metrics
+
+    def sample_outputs(self, model, batch) -> dict:
+        steps, c = self.rollout_steps(), self.frame_channels()
+        x = batch[self.input_name]
+        preds = self.rollout(model, x, steps)
+        truths = self._truths(batch[self.target_name], steps)
+        lead_error = jnp.stack([relative_l2(p, t) for p, t in zip(preds, truths)], axis=1)
+        last = x.shape[-1] - c
+        return {"input": x[..., last], "truth": truths[-1][..., 0],
+                "prediction": preds[-1][..., 0], "error": (preds[-1] - truths[-1])[..., 0],
+                "lead_error": lead_error}
+
+    def plot(self, out_dir, sample) -> list:
+        from spmd.tasks.figures import plot_fields
+
+        out = Path(out_dir)
+        fields = {k: v for k, v in sample.items() if k != "lead_error"}
+        steps = self.rollout_steps()
+        made = [plot_fields(fields, out / "samples.png",
+                            title=f"{self.sample_title} (lead {steps})")]
+        if "lead_error" in sample:
+            made.append(plot_rollout_error(np.asarray(sample["lead_error"]),
+                                           out / "rollout_error.png", self.dt()))
+        return [p for p in made if p is not None]
+
+
+def plot_rollout_error(lead_error: np.ndarray, path: Path, dt: float | None = None) -> Path:
+    """Relative L2 error against lead time: the mean over the samples (batch, leads), each
+    sample thin; model steps below, physical time above when `dt` is given."""
+    import matplotlib.pyplot as plt
+
+    leads = np.arange(1, lead_error.shape[1] + 1)
+    fig, ax = plt.subplots(figsize=(6.5, 4.0), dpi=110)
+    for row in lead_error:
+        ax.plot(leads, row, color="tab:blue", alpha=0.25, lw=0.8)
+    mean = lead_error.mean(axis=0)
+    ax.plot(leads, mean, "o-", color="tab:blue", lw=1.6, ms=4,
+            label=f"mean of {lead_error.shape[0]} test samples")
+    ax.annotate(f"{mean[-1]:.3g}", (leads[-1], mean[-1]), textcoords="offset points",
+                xytext=(-8, 6), fontsize=8)
+    ax.set_xlabel("lead (model steps)")
+    ax.set_ylabel("relative L2 error")
+    ax.set_xticks(leads if len(leads) <= 16 else leads[:: len(leads) // 8])
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    if dt:
+        top = ax.secondary_xaxis("top", functions=(lambda k: k * dt, lambda t: t / dt))
+        top.set_xlabel("lead time")
+    ax.set_title("Rollout error against lead time")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
