@@ -150,12 +150,12 @@ class FieldTask(Task[ModelCfg]):
         if cached is None:
             copy = Path(self.cfg.run.dir) / NORMALIZATION_COPY
             if not data_exists(self.cfg.data.path) and copy.is_file():
-                cached = _read_copy(copy, (self.input_name, self.target_name))
+                cached = read_kept_normalization(copy, (self.input_name, self.target_name))
                 log.info("data.path %s is absent: normalizing with the statistics the run "
                          "trained with (%s)", self.cfg.data.path, copy)
             else:
                 cached = self._stored_normalization()
-                _write_copy(copy, cached)
+                keep_normalization(copy, cached)
             self._normalization = cached
         return cached
 
@@ -227,7 +227,7 @@ class FieldTask(Task[ModelCfg]):
 NORMALIZATION_COPY = "normalization.json"
 
 
-def _write_copy(path: Path, norm: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+def keep_normalization(path: Path, norm: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     """The normalization a run trains with, in its run directory (best effort: every rank
     writes the same bytes, each under its own temporary name, renamed into place)."""
     text = json.dumps({f: {"mean": m.tolist(), "std": s.tolist()} for f, (m, s) in
@@ -244,7 +244,8 @@ def _write_copy(path: Path, norm: dict[str, tuple[np.ndarray, np.ndarray]]) -> N
                     "its data will need the data's statistics", path, e)
 
 
-def _read_copy(path: Path, fields: tuple[str, ...]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def read_kept_normalization(path: Path, fields: tuple[str, ...]
+                            ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     try:
         doc = json.loads(path.read_text())
         return {f: (np.asarray(doc[f]["mean"], np.float32), np.asarray(doc[f]["std"],

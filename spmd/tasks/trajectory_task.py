@@ -28,8 +28,11 @@ Invariants:
 - Evaluation (the test split, in file order) rolls the model out `rollout_steps()` steps
   from each window's input: `eval_loss` (one-step MSE), `test_rel_l2` (one-step mean
   per-sample relative L2) and `rollout_rel_l2_<k>` for every lead k (zero-padded to sort).
-- data.window must be set (no default window); data.normalize is refused (the task's
-  generator stores fields of order one).
+- data.window must be set (no default window). With data.normalize the model works on
+  frames normalized per channel with the train split's statistics (`spmd data stats`, or
+  made with the data): inputs, rollout and loss in those units, `test_rel_l2`, the rollout
+  errors, samples and `predict` in physical units; the run keeps them in
+  run.dir/normalization.json (FieldTask's).
 """
 
 from __future__ import annotations
@@ -48,11 +51,17 @@ import numpy as np
 from spmd.config.schema import WindowConfig
 from spmd.data.batch import BatchField
 from spmd.data.file_index import INDEX_NAME, data_exists, has_magic
+from spmd.data.normalization import compute_statistics, load_statistics
 from spmd.data.stores import ArrayDataError, is_member_name, write_arrays
 from spmd.data.windows import WindowSource
 from spmd.errors import ConfigError
 from spmd.tasks.base import ModelCfg, Task
-from spmd.tasks.field_task import relative_l2
+from spmd.tasks.field_task import (
+    NORMALIZATION_COPY,
+    keep_normalization,
+    read_kept_normalization,
+    relative_l2,
+)
 
 log = logging.getLogger("spmd.tasks.trajectory_task")
 
@@ -114,10 +123,6 @@ class TrajectoryTask(Task[ModelCfg]):
                 f"data.window is not set: the task {self.cfg.task} trains on time windows of "
                 f"trajectories; set data.window.input_steps, data.window.target_steps and "
                 f"data.window.stride (e.g. 1, 1, 1)")
-        if d.normalize:
-            raise ConfigError(f"data.normalize=true is not supported by the trajectory task "
-                              f"{self.cfg.task} (its data is made of order one); set "
-                              f"data.normalize=false")
         return d.window
 
     def frame_channels(self) -> int:
@@ -302,18 +307,66 @@ class TrajectoryTask(Task[ModelCfg]):
             log.info("data.path %s is missing or incomplete: making it now (as `spmd data "
                      "make` would)", self.cfg.data.path)
             log.info(self.make_data())
+            if self.cfg.data.normalize:
+                target, _ = compute_statistics(self.train_source(), "train")
+                log.info("data.normalize: stored the train split's statistics in %s", target)
+
+    # ------------------------------------------------------------ normalization
+
+    def normalization(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """With data.normalize: (mean, std) per frame channel, float32, of the train split's
+        trajectories (the statistics beside the data, or the run's copy when the data are
+        absent); None without data.normalize."""
+        if not self.cfg.data.normalize:
+            return None
+        cached = self.__dict__.get("_normalization")
+        if cached is None:
+            copy = Path(self.cfg.run.dir) / NORMALIZATION_COPY
+            if not data_exists(self.cfg.data.path) and copy.is_file():
+                cached = read_kept_normalization(copy, (self.state_name,))[self.state_name]
+            else:
+                source = self.train_source()
+                plan = source.statistics_plan()
+                stats = load_statistics(source.path, [source.dataset],
+                                        rows={source.dataset: plan[source.dataset][1]},
+                                        where=source.where)[source.dataset]
+                if stats.channels not in (1, self.frame_channels()):
+                    raise ArrayDataError(
+                        f"{source.where}: the statistics of dataset '{source.dataset}' have "
+                        f"{stats.channels} channels but frames have {self.frame_channels()}; "
+                        f"rerun `spmd data stats CONFIG`")
+                cached = (stats.mean.astype(np.float32), stats.scale().astype(np.float32))
+                keep_normalization(copy, {self.state_name: cached})
+            self._normalization = cached
+        return cached
+
+    def _scaled(self, x: jax.Array, forward: bool) -> jax.Array:
+        """Frames stacked along channels to model units (forward) or back to physical."""
+        norm = self.normalization()
+        if norm is None:
+            return x
+        c = self.frame_channels()
+        reps = x.shape[-1] // c
+        mean = jnp.tile(jnp.broadcast_to(norm[0], (c,)), reps)
+        std = jnp.tile(jnp.broadcast_to(norm[1], (c,)), reps)
+        return (x - mean) / std if forward else x * std + mean
 
     # ------------------------------------------------------------ objective
 
     def rollout(self, model, inputs: jax.Array, steps: int) -> list[jax.Array]:
-        """`steps` predicted frames, each from the last input_steps frames (fed back)."""
+        """`steps` predicted frames in model units (normalized with data.normalize), each
+        from the last input_steps frames (fed back); `inputs` in physical units."""
         c, frames = self.frame_channels(), []
-        x = inputs
+        x = self._scaled(inputs, True)
         for _ in range(steps):
             frame = model(x)
             frames.append(frame)
             x = jnp.concatenate([x[..., c:], frame.astype(x.dtype)], axis=-1)
         return frames
+
+    def predict(self, model, batch) -> jax.Array:
+        """The next frame in physical units."""
+        return self._scaled(self.rollout(model, batch[self.input_name], 1)[0], False)
 
     def _truths(self, target: jax.Array, steps: int) -> list[jax.Array]:
         c = self.frame_channels()
@@ -322,13 +375,14 @@ class TrajectoryTask(Task[ModelCfg]):
     def loss(self, model, batch):
         steps = self.window().target_steps
         pred = jnp.concatenate(self.rollout(model, batch[self.input_name], steps), axis=-1)
-        return jnp.mean((pred - batch[self.target_name]) ** 2), {}
+        return jnp.mean((pred - self._scaled(batch[self.target_name], True)) ** 2), {}
 
     def eval_metrics(self, model, batch) -> dict:
         steps = self.rollout_steps()
-        preds = self.rollout(model, batch[self.input_name], steps)
+        scaled = self.rollout(model, batch[self.input_name], steps)
+        preds = [self._scaled(p, False) for p in scaled]
         truths = self._truths(batch[self.target_name], steps)
-        metrics = {"eval_loss": jnp.mean((preds[0] - truths[0]) ** 2),
+        metrics = {"eval_loss": jnp.mean((scaled[0] - self._scaled(truths[0], True)) ** 2),
                    "test_rel_l2": jnp.mean(relative_l2(preds[0], truths[0]))}
         for k, (p, t) in enumerate(zip(preds, truths), 1):
             metrics[rollout_key(k, steps)] = jnp.mean(relative_l2(p, t))
@@ -337,7 +391,7 @@ class TrajectoryTask(Task[ModelCfg]):
     def sample_outputs(self, model, batch) -> dict:
         steps, c = self.rollout_steps(), self.frame_channels()
         x = batch[self.input_name]
-        preds = self.rollout(model, x, steps)
+        preds = [self._scaled(p, False) for p in self.rollout(model, x, steps)]
         truths = self._truths(batch[self.target_name], steps)
         lead_error = jnp.stack([relative_l2(p, t) for p, t in zip(preds, truths)], axis=1)
         last = x.shape[-1] - c

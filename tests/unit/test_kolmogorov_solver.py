@@ -210,3 +210,48 @@ def test_prepare_makes_missing_or_partial_data_but_leaves_a_users_own_files(tmp_
     theirs = kolmogorov(tmp_path, f"data.path={users}")
     assert not theirs.data_incomplete()
     assert theirs.train_source().count == 1 * 4              # read as they are
+
+
+def test_normalized_rollouts_work_in_model_units_and_report_physical_ones(tmp_path):
+    """data.normalize: the model sees frames normalized with the train split's statistics
+    (made with the data), is rolled out in those units, and metrics and predict are
+    physical; the run keeps the statistics for use without the data."""
+    task = kolmogorov(tmp_path, "data.normalize=true", f"run.dir={tmp_path / 'run'}",
+                      "data.window.input_steps=2")
+    task.prepare(True)                                  # the data, then their statistics
+    assert (tmp_path / "data" / "stats.json").is_file()
+    parts = sorted(p for p in (tmp_path / "data").iterdir() if is_store(p))
+    w = np.concatenate([read(p, "train/vorticity") for p in parts]).astype(np.float64)
+    mean, std = w.mean(), w.std()
+    m, s = task.normalization()
+    np.testing.assert_allclose(m, [mean], rtol=1e-5)
+    np.testing.assert_allclose(s, [std], rtol=1e-5)
+
+    seen = []
+
+    def model(x):
+        seen.append(np.asarray(x))
+        return x[..., -1:] * 0.5
+
+    frames = w[:, :, :, :, 0].transpose(0, 2, 3, 1).astype(np.float32)   # (traj, x, y, t)
+    batch = {"input": jnp.asarray(frames[..., 0:2]), "target": jnp.asarray(frames[..., 2:5])}
+    z = [(frames[..., 1:2] - mean) / std * 0.5 ** k for k in (1, 2, 3)]    # model units
+    physical = [zk * std + mean for zk in z]
+    np.testing.assert_allclose(np.asarray(task.predict(model, batch)), physical[0],
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(seen[-1], (frames[..., 0:2] - mean) / std, rtol=1e-4,
+                               atol=1e-5)
+    metrics = task.eval_metrics(model, batch)
+    truth = [frames[..., k:k + 1] for k in (2, 3, 4)]
+    np.testing.assert_allclose(float(metrics["eval_loss"]),
+                               np.mean((z[0] - (truth[0] - mean) / std) ** 2), rtol=1e-4)
+    for k in range(3):
+        rel = np.mean(np.sqrt(((physical[k] - truth[k]) ** 2).sum((1, 2, 3))
+                              / (truth[k] ** 2).sum((1, 2, 3))))
+        np.testing.assert_allclose(float(metrics[f"rollout_rel_l2_{k + 1}"]), rel, rtol=1e-4)
+
+    shutil.rmtree(tmp_path / "data")                    # the run, elsewhere: no data
+    again = kolmogorov(tmp_path, "data.normalize=true", f"run.dir={tmp_path / 'run'}",
+                       "data.window.input_steps=2").normalization()
+    np.testing.assert_array_equal(again[0], m)
+    np.testing.assert_array_equal(again[1], s)
