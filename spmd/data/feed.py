@@ -12,10 +12,11 @@ An axis whose local indices are not one contiguous range is asked for in full.
 
 Background reads (spmd.data.prefetch): a source with `prefetch = k > 0` (ArraySource from
 the config's data.prefetch) has the host arrays of steps s+1 .. s+k read by
-`read_threads` daemon threads while step s runs, each step's rows split into up to
-`read_threads` row ranges. The threads produce host numpy arrays only; `global_batch`
-builds the jax.Arrays in the caller's thread. The calls are the same as without prefetch,
-so the batches are bit-identical; a read error is raised by the step that needs it.
+`read_threads` daemon threads while step s runs: whole steps, or, for steps of more than
+`MIN_PART_BYTES` per thread, each step's rows split into up to `read_threads` row
+ranges. The threads produce host numpy arrays only; `global_batch` builds the jax.Arrays
+in the caller's thread. The calls are the same as without prefetch, so the batches are
+bit-identical; a read error is raised by the step that needs it.
 `BatchFeed(prefetch=, read_threads=)` overrides what the source says (0: read in the call).
 
 Waiting: `last_wait_s` is how long the last `global_batch` call blocked its caller (reading
@@ -92,6 +93,11 @@ class BatchFeed:
     """Per step: this process's rows from the source -> one global jax.Array per field."""
 
     MAX_READERS = 4            # sources read ahead at once (train, eval, ...); LRU beyond
+    # A step's rows are split among the read threads only in parts of at least this many
+    # bytes: smaller parts cost more in per-call overhead and thread hand-offs than they
+    # gain (h5py serializes calls; Zarr reads a call's chunks concurrently anyway), and
+    # the threads then read whole steps ahead instead.
+    MIN_PART_BYTES = 8 << 20
 
     def __init__(self, fields: Mapping[str, BatchField], batch_size: int, mesh: Mesh,
                  rules: RuleTable, *, prefetch: int | None = None,
@@ -169,7 +175,9 @@ class BatchFeed:
             parts, out = [], {}
             for rows, names in groups.items():
                 lo, hi = rows
-                n = max(1, min(threads, hi - lo))
+                nbytes = sum(int(np.prod(self.local_shape(k, slab))) *
+                             self.fields[k].dtype.itemsize for k in names)
+                n = max(1, min(threads, hi - lo, nbytes // self.MIN_PART_BYTES))
                 if n == 1:
                     parts.append(lambda r=rows, m=names: out.update(
                         self._read(source, step, r, m, slab)))
