@@ -1,0 +1,543 @@
+"""The data feed against a raw read of the same files, and the input wait of training.
+
+1. Feed vs raw read. A multi-file dataset (`--files` stores holding `train/u0`, `train/u1`
+   of shape (n, grid, grid, 1) float32, `--mb` MiB in all, one example per chunk as
+   `spmd.data.write_arrays` stores it) is written in each of `--formats`. Per format:
+   - raw: every file read whole (`array[...]`, h5py or zarr), in file order, one thread;
+   - feed: `ArraySource` (seeded shuffle, as training reads it) + `BatchFeed` on a
+     1-process mesh, `data.prefetch` / `data.read_threads` defaults (2 / 1): every step of
+     one epoch through `global_batch`, blocking on the arrays;
+   both with a cold page cache (`posix_fadvise(DONTNEED)` on every file of the dataset,
+   every chunk file of a Zarr store, after an fsync at write time; the output says whether
+   it was applied) and with a warm one. Reported: samples/s, MB/s and the paired ratio
+   feed / raw of samples/s (target >= 0.8).
+2. Input wait while training: `spmd train --config` (default examples/kolmogorov, else
+   examples/vit2d) for `--train-steps` steps in a subprocess (1 process; every step logged,
+   no eval, no periodic checkpoint), then from metrics.jsonl the input-wait fraction =
+   sum(input_wait_s) / sum(step_time_s) over the steps after the first, the samples/s the
+   step consumes, and the raw read samples/s of the same training data (bytes per sample:
+   the bytes of the datasets the train source reads, over its samples). Target: fraction
+   <= 2% whenever the raw read outruns consumption.
+
+    python benchmarks/data_throughput.py [--mb 512] [--formats hdf5,zarr] [--reps 3]
+        [--config CONFIG] [--train-steps 200] [--set KEY=VALUE ...] [--json FILE]
+        [--profile]
+    python benchmarks/data_throughput.py --quick     # CI: 16 MiB, 1 rep, never fails
+
+`--profile` adds, per format, where a warm feed's time goes over its first 64 steps, in
+microseconds per sample: the record index lookups, the single-record reads straight from
+the store, `ArraySource.rows`, `global_batch` synchronous and with 1 and `--read-threads`
+threads, the raw whole-file read; and cProfile's top own time of a synchronous epoch.
+
+Invariants: raw and feed read the same records (one epoch, every record once) from the
+same files; the repetitions alternate their order; the training run logs every step
+(`run.log_every=1`: `input_wait_s` is the wait of the logged step only); everything is
+written under one temporary directory (`--dir`), removed at exit. Prints tables, a
+PASS/FAIL line (full mode; exit 1 on FAIL) and, last, one JSON line (`--json FILE`: also
+written there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import math
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # spmd, examples
+from common import Stats, json_line, machine, paired_ratios, table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FEED_TARGET = 0.8           # feed samples/s / raw read samples/s
+WAIT_TARGET = 0.02          # sum(input_wait_s) / sum(step_time_s)
+CONFIGS = (REPO / "examples" / "kolmogorov" / "config.yaml",
+           REPO / "examples" / "vit2d" / "config.yaml")
+SUFFIX = {"hdf5": ".h5", "zarr": ".zarr", "netcdf": ".nc"}
+MB = 2**20
+PROFILE_STEPS = 64          # steps of the --profile measurements
+
+
+# ------------------------------------------------------------------ files and page cache
+
+
+def files_of(path: Path) -> list[Path]:
+    """Every regular file of a store or dataset directory (a Zarr store's chunk files too)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return sorted(Path(root) / name for root, _, names in os.walk(path) for name in names)
+
+
+def drop_cache(paths: list[Path]) -> bool:
+    """Ask the kernel to drop the cached pages of `paths` (clean pages only: the files were
+    fsynced). False when the platform or a file refuses."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    ok = True
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            ok = False
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            ok = False
+        finally:
+            os.close(fd)
+    return ok
+
+
+def fsync_all(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def make_dataset(root: Path, fmt: str, total_mb: float, files: int, grid: int,
+                 seed: int = 0) -> tuple[Path, int]:
+    """`files` stores of `fmt` under root/fmt holding train/u0, train/u1; (dir, records)."""
+    import numpy as np
+
+    from spmd.data import write_arrays
+
+    per_record = 2 * grid * grid * 4
+    per_file = max(1, int(total_mb * MB) // (files * per_record))
+    out = root / fmt
+    rng = np.random.default_rng(seed)
+    for i in range(files):
+        arrays = {f"train/{name}": rng.standard_normal((per_file, grid, grid, 1),
+                                                       dtype=np.float32)
+                  for name in ("u0", "u1")}
+        write_arrays(out / f"part-{i:03d}{SUFFIX[fmt]}", arrays, format=fmt)
+    fsync_all(files_of(out))
+    return out, per_file * files
+
+
+# ------------------------------------------------------------------ the two readers
+
+
+def raw_read(members: list[tuple[Path, str]], datasets: list[str]) -> int:
+    """Read `datasets` of every member whole, in order, in this thread; the bytes read."""
+    import h5py
+    import numpy as np
+
+    nbytes = 0
+    for path, fmt in members:
+        if fmt in ("hdf5", "netcdf"):
+            with h5py.File(path, "r") as f:
+                for name in datasets:
+                    nbytes += f[name][...].nbytes
+        elif fmt == "zarr":
+            import zarr
+
+            group = zarr.open_group(str(path), mode="r")
+            for name in datasets:
+                nbytes += np.asarray(group[name][...]).nbytes
+        else:   # npy
+            for name in datasets:
+                nbytes += np.array(np.load(path / f"{name}.npy", mmap_mode="r")).nbytes
+    return nbytes
+
+
+def members_of(path: Path) -> list[tuple[Path, str]]:
+    from spmd.data.file_index import load_index
+
+    return [(m.path, m.format) for m in load_index(path, f"data.path={path}").members]
+
+
+class FeedEpoch:
+    """`global_batch` for every step of one epoch (or its first `steps`), as training calls it."""
+
+    def __init__(self, path: Path, grid: int, batch: int, seed: int, prefetch: int,
+                 threads: int, steps: int | None = None):
+        import jax
+        import numpy as np
+
+        from spmd.config.schema import MeshConfig
+        from spmd.data import BatchField
+        from spmd.engine.mesh import build_mesh
+        from spmd.sharding import rules_for
+
+        self.path, self.batch, self.seed = path, batch, seed
+        self.prefetch, self.threads = prefetch, threads
+        axes = ("batch", "x", "y", "channels")
+        self.fields = {n: BatchField((grid, grid, 1), np.float32, axes) for n in ("u0", "u1")}
+        self.mesh = build_mesh(MeshConfig(strategy="dp"), jax.devices())
+        self.rules = rules_for("dp")
+        epoch = self.source(None).count // batch
+        self.steps = epoch if steps is None else min(steps, epoch)
+
+    def source(self, until: int | None):
+        from spmd.data import ArraySource
+
+        return ArraySource(self.path, {"u0": "train/u0", "u1": "train/u1"}, self.fields,
+                           self.batch, seed=self.seed, shuffle=True, prefetch=self.prefetch,
+                           read_threads=self.threads, prefetch_until=until)
+
+    def __call__(self) -> dict:
+        """Run the steps: samples, bytes read, the caller's total wait."""
+        import jax
+
+        from spmd.data.feed import BatchFeed
+
+        source = self.source(self.steps)
+        feed = BatchFeed(self.fields, self.batch, self.mesh, self.rules)
+        try:
+            for step in range(self.steps):
+                jax.block_until_ready(feed.global_batch(source, step))
+        finally:
+            feed.close()
+            source.close()
+        return {"samples": self.steps * self.batch, "bytes": source.bytes_read,
+                "wait_s": feed.total_wait_s}
+
+
+# ------------------------------------------------------------------ 1. feed vs raw read
+
+
+def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) -> dict:
+    """Interleaved repetitions (raw, feed / feed, raw, ...), each cold then warm."""
+    members = members_of(path)           # builds the index (not timed)
+    disk = files_of(path)
+    epoch = FeedEpoch(path, args.grid, args.batch, args.seed, args.prefetch,
+                      args.read_threads)
+    runners = {"raw": lambda: {"samples": records,
+                               "bytes": raw_read(members, ["train/u0", "train/u1"])},
+               "feed": epoch}
+    runners["raw"](), runners["feed"]()  # warm-up: imports, first make_array, the index
+    caches = ("cold", "warm") if args.cold else ("warm",)
+    seconds = {(c, n): [] for c in caches for n in runners}
+    done: dict[str, dict] = {}
+    applied = args.cold
+    for rep in range(args.reps):
+        for cache in caches:
+            for name in (("raw", "feed") if rep % 2 == 0 else ("feed", "raw")):
+                if cache == "cold":
+                    applied = drop_cache(disk) and applied
+                began = time.perf_counter()
+                done[name] = runners[name]()
+                seconds[(cache, name)].append(time.perf_counter() - began)
+    out: dict = {"files": len(members), "disk_files": len(disk), "cold_cache_applied": applied,
+                 "feed_steps": epoch.steps}
+    for cache in caches:
+        row: dict = {}
+        for name, did in done.items():
+            secs = seconds[(cache, name)]
+            row[name] = {"s": Stats.of(secs).as_dict(),
+                         "samples_per_s": did["samples"] / Stats.of(secs).median,
+                         "MBps": did["bytes"] / MB / Stats.of(secs).median}
+        rate = {n: [done[n]["samples"] / s for s in seconds[(cache, n)]] for n in done}
+        row["ratio"] = Stats.of(paired_ratios(rate["feed"], rate["raw"])).as_dict(4)
+        out[cache] = row
+    if args.profile:
+        out["profile"] = profile_feed(path, args)
+    return out
+
+
+def profile_feed(path: Path, args: argparse.Namespace) -> dict:
+    """Where a warm epoch's time goes, per sample (first PROFILE_STEPS steps): the record
+    index lookups, single-record reads straight from the store, `ArraySource.rows` and
+    `global_batch` in this thread (prefetch 0, under cProfile: top own time), and
+    `global_batch` with 1 read thread against `--read-threads` (do threads help?)."""
+    from spmd.data.stores import Store
+
+    sync = FeedEpoch(path, args.grid, args.batch, args.seed, 0, 1, PROFILE_STEPS)
+    samples = sync.steps * args.batch
+    source = sync.source(None)
+    source.rows(0, 0, args.batch)                       # opens the members
+    timings: dict[str, float] = {}
+    began = time.perf_counter()
+    records = [r for step in range(sync.steps)
+               for r in source.record_indices(step, 0, args.batch)]
+    timings["index_lookup"] = time.perf_counter() - began
+    stores = [Store(p, str(p), fmt) for p, fmt in members_of(path)]
+    arrays = {(i, name): store.get(dataset, name) for i, store in enumerate(stores)
+              for name, dataset in source.datasets.items()}
+    where = [(name, *source.locate(name, r)) for r in records for name in source.datasets]
+    began = time.perf_counter()
+    for name, member, row in where:
+        arrays[member, name][row, ...]
+    timings["store_reads"] = time.perf_counter() - began
+    for store in stores:
+        store.close()
+    began = time.perf_counter()
+    for step in range(sync.steps):
+        source.rows(step, 0, args.batch)
+    timings["source_rows"] = time.perf_counter() - began
+    source.close()
+    sync()
+    began = time.perf_counter()
+    sync()
+    timings["global_batch_sync"] = time.perf_counter() - began
+    prof = cProfile.Profile()
+    began = time.perf_counter()
+    prof.enable()
+    sync()
+    prof.disable()
+    timings["global_batch_sync_profiled"] = time.perf_counter() - began
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]   # by own time
+    top = [{"function": f"{Path(f).name}:{line}({fn})", "calls": nc, "own_s": round(tt, 4),
+            "cumulative_s": round(ct, 4)} for (f, line, fn), (_, nc, tt, ct, _) in rows]
+    for n in sorted({1, 4, args.read_threads}):
+        epoch = FeedEpoch(path, args.grid, args.batch, args.seed, args.prefetch, n,
+                          PROFILE_STEPS)
+        began = time.perf_counter()
+        epoch()
+        timings[f"global_batch_prefetch_{args.prefetch}_threads_{n}"] = \
+            time.perf_counter() - began
+    members = members_of(path)
+    began = time.perf_counter()
+    whole = raw_read(members, ["train/u0", "train/u1"])
+    timings["raw_whole_files"] = (time.perf_counter() - began) * samples / \
+        (whole / (2 * args.grid * args.grid * 4))
+    return {"samples": samples,
+            "us_per_sample": {k: round(v / samples * 1e6, 1) for k, v in timings.items()},
+            "top_own_time": top}
+
+
+# ------------------------------------------------------------------ 2. input wait
+
+
+def input_wait_summary(records: list[dict], skip: int = 1) -> dict | None:
+    """From metrics.jsonl train records (`input_wait_s`, `step_time_s` per logged step;
+    every step logged), over the steps after the first `skip`: the input-wait fraction
+    sum(wait) / sum(step time), and the samples/s the steps consumed (`batch_size`)."""
+    train = [r for r in records
+             if isinstance(r.get("input_wait_s"), int | float) and "step_time_s" in r]
+    train = sorted(train, key=lambda r: r["step"])[skip:]
+    if not train:
+        return None
+    wait = sum(float(r["input_wait_s"]) for r in train)
+    step = sum(float(r["step_time_s"]) for r in train)
+    waits = sorted(float(r["input_wait_s"]) for r in train)
+    return {"steps": len(train), "first_step": train[0]["step"], "input_wait_s": wait,
+            "step_time_s": step, "fraction": wait / step,
+            "max_wait_s": waits[-1], "median_wait_s": waits[len(waits) // 2],
+            "median_step_s": sorted(float(r["step_time_s"]) for r in train)[len(train) // 2]}
+
+
+def train_input_wait(args: argparse.Namespace, root: Path) -> dict:
+    """Train `args.config` in a subprocess, then compare its consumption with a raw read."""
+    from spmd.config.load import build_task, load_config
+
+    config = Path(args.config).resolve()
+    base = load_config(str(config), list(args.set))
+    run_dir = root / "train-run"
+    overrides = [f"run.dir={run_dir}", f"train.steps={args.train_steps}", "run.log_every=1",
+                 "train.eval_every=0", "checkpoint.every=0", "checkpoint.persistent_every=0",
+                 "run.progress=false", "run.plots=false"]
+    if base.data.path is not None:
+        overrides.append(f"data.path={root / 'train-data' / Path(base.data.path).name}")
+    overrides += list(args.set)
+    cmd = [sys.executable, "-m", "spmd.cli", "train", str(config), *overrides]
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                         f"{proc.stderr[-3000:]}")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    summary = input_wait_summary([json.loads(x) for x in lines if x.strip()])
+    if summary is None:
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no train record after the first step "
+                         f"(raise --train-steps above {args.train_steps})")
+    cfg = load_config(str(config), overrides)
+    batch = cfg.train.batch_size
+    shown = [o for o in overrides if not o.startswith(("run.dir=", "data.path="))]
+    out = {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
+           "command": "spmd train CONFIG " + " ".join(shown),
+           "wall_s": round(wall, 2), "batch_size": batch, **summary,
+           "consumed_samples_per_s": batch * summary["steps"] / summary["step_time_s"]}
+    task = build_task(cfg)
+    fields = task.batch_fields()
+    out["feed_bytes_per_sample"] = sum(f.dtype.itemsize * math.prod(f.example_shape)
+                                       for f in fields.values())
+    if cfg.data.path is None:
+        out["raw"] = None                # generated in memory: nothing to read
+        return out
+    source = task.train_source()
+    members = [(m.path, m.format) for m in source.files.members]
+    datasets = sorted(set(source.datasets.values()))
+    disk = [f for p, _ in members for f in files_of(p)]
+    raw = {"samples": source.count, "datasets": datasets, "files": len(members)}
+    nbytes = raw_read(members, datasets)                  # warm-up (imports, metadata)
+    for cache in (("cold", "warm") if args.cold else ("warm",)):
+        secs = []
+        for _ in range(args.reps):
+            if cache == "cold":
+                raw["cold_cache_applied"] = drop_cache(disk) and raw.get("cold_cache_applied",
+                                                                         True)
+            began = time.perf_counter()
+            raw_read(members, datasets)
+            secs.append(time.perf_counter() - began)
+        median = Stats.of(secs).median
+        raw[cache] = {"s": Stats.of(secs).as_dict(), "MBps": nbytes / MB / median,
+                      "samples_per_s": source.count / median}
+    raw["bytes"] = nbytes
+    raw["bytes_per_sample"] = nbytes / source.count
+    out["raw"] = raw
+    slowest = raw["cold" if args.cold else "warm"]["samples_per_s"]
+    out["raw_outruns_consumption"] = slowest > out["consumed_samples_per_s"]
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+
+def versions() -> dict[str, str]:
+    import h5py
+    import jax
+    import numpy
+    import zarr
+
+    return {"python": sys.version.split()[0], "jax": jax.__version__, "zarr": zarr.__version__,
+            "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "numpy": numpy.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=512, help="dataset size in MiB (default 512)")
+    ap.add_argument("--formats", default="hdf5,zarr", help="comma-separated (hdf5, zarr)")
+    ap.add_argument("--files", type=int, default=8, help="stores in the dataset (default 8)")
+    ap.add_argument("--grid", type=int, default=64, help="examples are grid x grid x 1")
+    ap.add_argument("--batch", type=int, default=32, help="global batch of the feed (32)")
+    ap.add_argument("--prefetch", type=int, default=2, help="data.prefetch (default 2)")
+    ap.add_argument("--read-threads", type=int, default=1, help="data.read_threads (1)")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-cold", dest="cold", action="store_false",
+                    help="skip the cold-cache measurements")
+    ap.add_argument("--config", type=Path, default=next((c for c in CONFIGS if c.exists()),
+                                                         CONFIGS[-1]),
+                    help="training config of part 2 (default examples/kolmogorov, else vit2d)")
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="steps of the training run (default 200, --quick 6; 0: skip)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra override of the training run (repeatable)")
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: /tmp)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the JSON document here")
+    ap.add_argument("--profile", action="store_true", help="cProfile a feed epoch per format")
+    ap.add_argument("--quick", "--short", dest="quick", action="store_true",
+                    help="CI mode: 16 MiB, 1 repetition, 6 training steps, no verdict")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.reps = min(args.mb, 16), 1
+    if args.train_steps is None:
+        args.train_steps = 6 if args.quick else 200
+    formats = [f for f in args.formats.split(",") if f]
+    bad = [f for f in formats if f not in ("hdf5", "zarr", "netcdf")]
+    if bad:
+        ap.error(f"--formats: unknown {bad} (hdf5, zarr, netcdf)")
+    root = Path(tempfile.mkdtemp(prefix="data-bench-", dir=args.dir))
+    try:
+        return run(args, formats, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
+    record: dict = {"benchmark": "data_throughput", "mode": "quick" if args.quick else "full",
+                    "machine": machine(), "versions": versions(),
+                    "dataset": {"mb": args.mb, "files": args.files,
+                                "fields": {"train/u0": [args.grid, args.grid, 1],
+                                           "train/u1": [args.grid, args.grid, 1]},
+                                "dtype": "float32", "chunk": "one example"},
+                    "feed": {"batch_size": args.batch, "prefetch": args.prefetch,
+                             "read_threads": args.read_threads, "shuffle": True,
+                             "seed": args.seed},
+                    "cold_cache": {"method": "os.posix_fadvise(POSIX_FADV_DONTNEED) on every "
+                                             "file after fsync", "requested": args.cold},
+                    "targets": {"feed_over_raw": FEED_TARGET, "input_wait_fraction": WAIT_TARGET},
+                    "formats": {}}
+    rows = [("format", "cache", "raw samples/s", "raw MB/s", "feed samples/s", "feed MB/s",
+             "feed/raw (paired median)")]
+    for fmt in formats:
+        began = time.perf_counter()
+        path, records = make_dataset(root, fmt, args.mb, args.files, args.grid, args.seed)
+        written = time.perf_counter() - began
+        r = feed_vs_raw(fmt, path, records, args)
+        r.update(records=records, write_s=round(written, 2))
+        record["formats"][fmt] = r
+        for cache in ("cold", "warm"):
+            if cache in r:
+                c = r[cache]
+                rows.append((fmt, cache if cache == "warm" or r["cold_cache_applied"]
+                             else "cold (not applied)",
+                             f"{c['raw']['samples_per_s']:.0f}", f"{c['raw']['MBps']:.0f}",
+                             f"{c['feed']['samples_per_s']:.0f}", f"{c['feed']['MBps']:.0f}",
+                             f"{c['ratio']['median']:.3f} [{c['ratio']['min']:.3f}, "
+                             f"{c['ratio']['max']:.3f}]"))
+        shutil.rmtree(path, ignore_errors=True)
+    train = train_input_wait(args, root) if args.train_steps > 0 else None
+    record["train"] = train
+    ratios = [r[c]["ratio"]["median"] for r in record["formats"].values()
+              for c in ("cold", "warm") if c in r]
+    feed_ok = all(x >= FEED_TARGET for x in ratios)
+    wait_ok = (train is None or not train.get("raw_outruns_consumption", True)
+               or train["fraction"] <= WAIT_TARGET)
+    verdict = None if args.quick else ("PASS" if feed_ok and wait_ok else "FAIL")
+    record["verdict"] = verdict
+    record["loadavg_1m_end"] = f"{os.getloadavg()[0]:.2f}"
+    report(record, args, rows, ratios)
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=1, default=str))
+    print(json_line(record))
+    return 1 if verdict == "FAIL" else 0
+
+
+def report(record: dict, args: argparse.Namespace, rows: list, ratios: list[float]) -> None:
+    """The human summary: the feed/raw table, the profiles, the training line, the verdict."""
+    train, verdict = record["train"], record["verdict"]
+    print(f"data throughput ({record['mode']}): {args.mb:g} MiB in {args.files} files per format, "
+          f"batch {args.batch}, prefetch {args.prefetch}, read_threads {args.read_threads}, "
+          f"{args.reps} interleaved reps after a warm-up")
+    print(table(rows))
+    for fmt, r in record["formats"].items():
+        if "profile" in r:
+            p = r["profile"]
+            print(f"profile {fmt} (us per sample, warm, first {p['samples']} samples): "
+                  + ", ".join(f"{k} {v}" for k, v in p["us_per_sample"].items()))
+            for t in p["top_own_time"][:8]:
+                print(f"  {t['own_s']:8.3f} s own {t['cumulative_s']:8.3f} s cum "
+                      f"{t['calls']:8d}  {t['function']}")
+    if train is not None:
+        raw = train["raw"]
+        line = (f"training ({train['config']}, {train['steps']} steps after the first, batch "
+                f"{train['batch_size']}): input wait {train['input_wait_s']:.4f} s of "
+                f"{train['step_time_s']:.3f} s step time = fraction {train['fraction']:.4f} "
+                f"(target <= {WAIT_TARGET}); consumes {train['consumed_samples_per_s']:.0f} "
+                f"samples/s")
+        if raw is not None:
+            best = raw["cold" if "cold" in raw else "warm"]
+            line += (f", raw read of the same data {best['samples_per_s']:.0f} samples/s "
+                     f"({raw['bytes_per_sample']:.0f} B/sample): raw / consumption "
+                     f"{best['samples_per_s'] / train['consumed_samples_per_s']:.1f}x")
+        print(line)
+    if verdict is None:
+        print("quick mode: timings are a smoke test, no target is checked")
+    else:
+        print(f"{verdict}: feed/raw {min(ratios):.3f} at worst (target >= {FEED_TARGET}), "
+              f"input-wait fraction "
+              f"{'n/a' if train is None else format(train['fraction'], '.4f')} "
+              f"(target <= {WAIT_TARGET} when the raw read outruns the step)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
