@@ -7,6 +7,7 @@ a task knows how to show. matplotlib loads on first use; the backend is the call
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,62 @@ def plot_fields(fields: dict[str, np.ndarray], path: Path,
                 rel = np.linalg.norm(values[i]) / max(float(np.linalg.norm(truth)), 1e-30)
                 ax.set_xlabel(f"rel. L2 {rel:.3g}", fontsize=8)
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def last_rollout_errors(metrics: Path, keys: list[str]) -> tuple[int, np.ndarray] | None:
+    """(step, the values of `keys`: the mean relative L2 error per lead) of the last
+    evaluation in a run's metrics.jsonl that has them all (over every eval batch), or None
+    when it holds none."""
+    found = None
+    try:
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue                     # a line cut by a kill: skip it
+                if all(k in record for k in keys):
+                    found = (int(record["step"]), np.asarray([record[k] for k in keys]))
+    except OSError:
+        return None
+    return found
+
+
+def plot_rollout_error(lead_error: np.ndarray, path: Path, dt: float | None = None,
+                       overall: tuple[int, np.ndarray] | None = None) -> Path:
+    """Relative L2 error against lead time: the evaluation's mean over every test window
+    (`overall`: step and errors per lead, from metrics.jsonl) in bold, the sampled examples
+    (batch, leads) thin with their mean; model steps below, physical time above when `dt`
+    is given."""
+    import matplotlib.pyplot as plt
+
+    leads = np.arange(1, lead_error.shape[1] + 1)
+    fig, ax = plt.subplots(figsize=(6.5, 4.0), dpi=110)
+    for row in lead_error:
+        ax.plot(leads, row, color="tab:blue", alpha=0.25, lw=0.8)
+    mean = lead_error.mean(axis=0)
+    ax.plot(leads, mean, "o--", color="tab:blue", lw=1.0, ms=3,
+            label=f"mean of {lead_error.shape[0]} sampled test windows")
+    if overall is not None and len(overall[1]) == len(leads):
+        mean = overall[1]
+        ax.plot(leads, mean, "o-", color="black", lw=1.8, ms=4,
+                label=f"all test windows (evaluation at step {overall[0]})")
+    ax.annotate(f"{mean[-1]:.3g}", (leads[-1], mean[-1]), textcoords="offset points",
+                xytext=(-8, 6), fontsize=8)
+    ax.set_xlabel("lead (model steps)")
+    ax.set_ylabel("relative L2 error")
+    ax.set_xticks(leads if len(leads) <= 16 else leads[:: len(leads) // 8])
+    ax.set_ylim(0, 1.12 * max(float(mean.max()), float(lead_error.max())) or 1.0)
+    ax.grid(True, alpha=0.3)
+    if dt:
+        top = ax.secondary_xaxis("top", functions=(lambda k: k * dt, lambda t: t / dt))
+        top.set_xlabel("lead time")
+    ax.set_title("Rollout error against lead time")
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

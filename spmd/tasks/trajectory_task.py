@@ -62,6 +62,7 @@ from spmd.tasks.field_task import (
     read_kept_normalization,
     relative_l2,
 )
+from spmd.tasks.figures import last_rollout_errors, plot_rollout_error
 
 log = logging.getLogger("spmd.tasks.trajectory_task")
 
@@ -408,36 +409,8 @@ class TrajectoryTask(Task[ModelCfg]):
         made = [plot_fields(fields, out / "samples.png",
                             title=f"{self.sample_title} (lead {steps})")]
         if "lead_error" in sample:
+            overall = last_rollout_errors(out.parent / "metrics.jsonl",
+                                          [rollout_key(k, steps) for k in range(1, steps + 1)])
             made.append(plot_rollout_error(np.asarray(sample["lead_error"]),
-                                           out / "rollout_error.png", self.dt()))
+                                           out / "rollout_error.png", self.dt(), overall))
         return [p for p in made if p is not None]
-
-
-def plot_rollout_error(lead_error: np.ndarray, path: Path, dt: float | None = None) -> Path:
-    """Relative L2 error against lead time: the mean over the samples (batch, leads), each
-    sample thin; model steps below, physical time above when `dt` is given."""
-    import matplotlib.pyplot as plt
-
-    leads = np.arange(1, lead_error.shape[1] + 1)
-    fig, ax = plt.subplots(figsize=(6.5, 4.0), dpi=110)
-    for row in lead_error:
-        ax.plot(leads, row, color="tab:blue", alpha=0.25, lw=0.8)
-    mean = lead_error.mean(axis=0)
-    ax.plot(leads, mean, "o-", color="tab:blue", lw=1.6, ms=4,
-            label=f"mean of {lead_error.shape[0]} test samples")
-    ax.annotate(f"{mean[-1]:.3g}", (leads[-1], mean[-1]), textcoords="offset points",
-                xytext=(-8, 6), fontsize=8)
-    ax.set_xlabel("lead (model steps)")
-    ax.set_ylabel("relative L2 error")
-    ax.set_xticks(leads if len(leads) <= 16 else leads[:: len(leads) // 8])
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    if dt:
-        top = ax.secondary_xaxis("top", functions=(lambda k: k * dt, lambda t: t / dt))
-        top.set_xlabel("lead time")
-    ax.set_title("Rollout error against lead time")
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path

@@ -4,6 +4,7 @@ metrics with a stand-in model, its errors). Each test takes well under a second 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -255,3 +256,21 @@ def test_normalized_rollouts_work_in_model_units_and_report_physical_ones(tmp_pa
                        "data.window.input_steps=2").normalization()
     np.testing.assert_array_equal(again[0], m)
     np.testing.assert_array_equal(again[1], s)
+
+
+def test_the_rollout_plot_draws_the_last_evaluation_over_every_test_window(tmp_path):
+    from spmd.tasks.figures import last_rollout_errors, plot_rollout_error
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "loss": 1.0},
+             {"step": 0, **{f"rollout_rel_l2_{k}": 1.0 for k in (1, 2, 3)}},
+             {"step": 50, **{f"rollout_rel_l2_{k}": 0.1 * k for k in (1, 2, 3)}}]
+    metrics.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 60, "rollo')
+    keys = [rollout_key(k, 3) for k in (1, 2, 3)]
+    step, errors = last_rollout_errors(metrics, keys)
+    assert step == 50
+    np.testing.assert_allclose(errors, [0.1, 0.2, 0.3])
+    assert last_rollout_errors(metrics, [*keys, "rollout_rel_l2_4"]) is None  # 4 leads
+    assert last_rollout_errors(tmp_path / "missing.jsonl", keys) is None
+    png = plot_rollout_error(np.full((2, 3), 0.5), tmp_path / "r.png", 0.25, (step, errors))
+    assert png.stat().st_size > 10_000
