@@ -305,12 +305,17 @@ class ArraySource:
                 per_file[str(self.files.members[member].path)] += len(items)
                 reads += [(name, records[i], index) for i, _ in items]
             out[name] = value
+        self._count_reads(reads, nbytes, per_file)
+        return out
+
+    def _count_reads(self, reads: list[tuple[str, int, tuple[slice, ...]]], nbytes: int,
+                     per_file: collections.Counter[str]) -> None:
+        """Add one `rows` call's reads to the counters (thread safe)."""
         with self._lock:
             self.records_read += len(reads)
             self.bytes_read += nbytes
             self.reads_by_file.update(per_file)
             self.last_reads = reads
-        return out
 
     def _read_into(self, value: np.ndarray, items: list[tuple[int, int]], array: Any,
                    fmt: str, index: tuple[slice, ...], name: str, member: int,

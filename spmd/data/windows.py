@@ -331,11 +331,7 @@ class WindowSource(ArraySource):
                 out[name][i] = value
             per_file[str(self.files.members[member].path)] += 1
             reads.append((self.dataset, record, window))
-        with self._lock:
-            self.records_read += len(reads)
-            self.bytes_read += nbytes
-            self.reads_by_file.update(per_file)
-            self.last_reads = reads
+        self._count_reads(reads, nbytes, per_file)
         return out
 
     def _read_window(self, array: Any, index: tuple, member: int, record: int, row: int,

@@ -30,12 +30,14 @@ import abc
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.config.schema import Config
 from spmd.data.arrays import ArrayDataError, ArraySource, write_arrays
 from spmd.data.batch import BatchField
 from spmd.data.file_index import data_exists
@@ -148,15 +150,8 @@ class FieldTask(Task[ModelCfg]):
             return None
         cached = self.__dict__.get("_normalization")
         if cached is None:
-            copy = Path(self.cfg.run.dir) / NORMALIZATION_COPY
-            if not data_exists(self.cfg.data.path) and copy.is_file():
-                cached = read_kept_normalization(copy, (self.input_name, self.target_name))
-                log.info("data.path %s is absent: normalizing with the statistics the run "
-                         "trained with (%s)", self.cfg.data.path, copy)
-            else:
-                cached = self._stored_normalization()
-                keep_normalization(copy, cached)
-            self._normalization = cached
+            cached = self._normalization = run_normalization(
+                self.cfg, (self.input_name, self.target_name), self._stored_normalization)
         return cached
 
     def _stored_normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -225,6 +220,23 @@ class FieldTask(Task[ModelCfg]):
 
 
 NORMALIZATION_COPY = "normalization.json"
+
+Normalization = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def run_normalization(cfg: Config, names: tuple[str, ...],
+                      stored: Callable[[], Normalization]) -> Normalization:
+    """{name: (mean, std)} a run normalizes with: `stored()` (the statistics beside the
+    data, checked against them), kept in `run.dir/normalization.json`; that copy when
+    data.path is absent (the run loaded elsewhere)."""
+    copy = Path(cfg.run.dir) / NORMALIZATION_COPY
+    if not data_exists(cfg.data.path) and copy.is_file():
+        log.info("data.path %s is absent: normalizing with the statistics the run trained "
+                 "with (%s)", cfg.data.path, copy)
+        return read_kept_normalization(copy, names)
+    norm = stored()
+    keep_normalization(copy, norm)
+    return norm
 
 
 def keep_normalization(path: Path, norm: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:

@@ -56,12 +56,7 @@ from spmd.data.stores import ArrayDataError, is_member_name, write_arrays
 from spmd.data.windows import WindowSource
 from spmd.errors import ConfigError
 from spmd.tasks.base import ModelCfg, Task
-from spmd.tasks.field_task import (
-    NORMALIZATION_COPY,
-    keep_normalization,
-    read_kept_normalization,
-    relative_l2,
-)
+from spmd.tasks.field_task import relative_l2, run_normalization
 from spmd.tasks.figures import last_rollout_errors, plot_rollout_error
 
 log = logging.getLogger("spmd.tasks.trajectory_task")
@@ -322,24 +317,24 @@ class TrajectoryTask(Task[ModelCfg]):
             return None
         cached = self.__dict__.get("_normalization")
         if cached is None:
-            copy = Path(self.cfg.run.dir) / NORMALIZATION_COPY
-            if not data_exists(self.cfg.data.path) and copy.is_file():
-                cached = read_kept_normalization(copy, (self.state_name,))[self.state_name]
-            else:
-                source = self.train_source()
-                plan = source.statistics_plan()
-                stats = load_statistics(source.path, [source.dataset],
-                                        rows={source.dataset: plan[source.dataset][1]},
-                                        where=source.where)[source.dataset]
-                if stats.channels not in (1, self.frame_channels()):
-                    raise ArrayDataError(
-                        f"{source.where}: the statistics of dataset '{source.dataset}' have "
-                        f"{stats.channels} channels but frames have {self.frame_channels()}; "
-                        f"rerun `spmd data stats CONFIG`")
-                cached = (stats.mean.astype(np.float32), stats.scale().astype(np.float32))
-                keep_normalization(copy, {self.state_name: cached})
+            cached = run_normalization(self.cfg, (self.state_name,),
+                                       self._stored_normalization)[self.state_name]
             self._normalization = cached
         return cached
+
+    def _stored_normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        source = self.train_source()
+        plan = source.statistics_plan()
+        stats = load_statistics(source.path, [source.dataset],
+                                rows={source.dataset: plan[source.dataset][1]},
+                                where=source.where)[source.dataset]
+        if stats.channels not in (1, self.frame_channels()):
+            raise ArrayDataError(
+                f"{source.where}: the statistics of dataset '{source.dataset}' have "
+                f"{stats.channels} channels but frames have {self.frame_channels()}; "
+                f"rerun `spmd data stats CONFIG`")
+        return {self.state_name: (stats.mean.astype(np.float32),
+                                  stats.scale().astype(np.float32))}
 
     def _scaled(self, x: jax.Array, forward: bool) -> jax.Array:
         """Frames stacked along channels to model units (forward) or back to physical."""
