@@ -8,14 +8,17 @@ axis) holding one array per field, examples along the first axis: e.g.
 Invariants:
 - Global row `r` of step `s` is record `order[s * batch_size + r]`, where `order` is
   grain's epoch-wise seeded shuffle of the split (or file order, `shuffle=False`) repeated
-  forever: a pure function of (seed, step, row), the same for any process count. The
-  position is the step, which the checkpoint holds: a resumed run reads the same batches.
+  forever (spmd.data.order computes it, a batch at a time): a pure function of (seed,
+  step, row), the same for any process count. The position is the step, which the
+  checkpoint holds: a resumed run reads the same batches.
 - Record `i` of a multi-file dataset is row `i - offset[f]` of the member `f` that holds it
   (members in sorted path order): the same records, in the same order, as one file with
   the members' rows concatenated.
 - `rows(step, start, stop, region)` reads only the records of rows [start, stop), and of
   each record only `region[field]` (a half-open index range per example axis): one
-  hyperslab read (chunked formats) or memmap slice per record and field. `reads_slabs =
+  hyperslab read (chunked formats) or memmap slice per record and field; whole records of
+  uncompressed HDF5 / NetCDF4 datasets are read straight from the file's bytes instead
+  (spmd.data.direct_reads: one pread each, same values). `reads_slabs =
   True` tells the feed (spmd.data.feed) that it may ask for a process's slab of a
   spatially split field.
 - Members are opened lazily, when a row they hold is read (at most `max_open` at once);
@@ -31,18 +34,19 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
+import asyncio
 import collections
+import contextlib
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import grain
 import numpy as np
 
 from spmd.data.batch import BatchField
 from spmd.data.file_index import FileIndex, load_index
+from spmd.data.order import EpochOrder
 from spmd.data.stores import ArrayDataError, Store, detect_format, write_arrays
 
 __all__ = ["ArrayDataError", "ArraySource", "Region", "store_format", "write_arrays"]
@@ -93,7 +97,7 @@ class ArraySource:
     def _setup(self) -> None:
         self._lock = threading.RLock()
         self._files: FileIndex | None = None
-        self._offsets: dict[str, list[int]] = {}         # field -> cumulative record counts
+        self._offsets: dict[str, np.ndarray] = {}        # field -> cumulative record counts
         self._ndims: dict[str, int] = {}                  # field -> stored ndim (h5py's is slow)
         self._stores: collections.OrderedDict[int, Store] = collections.OrderedDict()
         self._busy: collections.Counter[int] = collections.Counter()
@@ -131,15 +135,12 @@ class ArraySource:
         return self.check()
 
     @property
-    def index(self) -> Any:
-        """Position in the endless stream -> record index (grain MapDataset)."""
+    def index(self) -> EpochOrder:
+        """Position in the endless stream -> record index (`index[p]`, `index.records`)."""
         if self._order is None:
             with self._lock:
                 if self._order is None:
-                    order = grain.MapDataset.range(self.check())
-                    if self._shuffle:
-                        order = order.shuffle(seed=self._seed % 2**32)
-                    self._order = order.repeat()
+                    self._order = EpochOrder(self.check(), self._seed % 2**32, self._shuffle)
         return self._order
 
     @property
@@ -195,10 +196,8 @@ class ArraySource:
                         f"'{name}' needs {want} (a trailing channel axis of 1 may be absent); "
                         f"check the model config or point {key} at another dataset"
                     )
-            self._offsets[name] = [0]
-            for shape in shapes:
-                self._offsets[name].append(self._offsets[name][-1] + shape[0])
-            counts[name] = self._offsets[name][-1]
+            self._offsets[name] = np.cumsum([0] + [shape[0] for shape in shapes])
+            counts[name] = int(self._offsets[name][-1])
         have = min(counts.values())
         if count is not None and count > have:
             raise ArrayDataError(f"{self.where}: {count} records wanted but dataset(s) hold "
@@ -258,8 +257,8 @@ class ArraySource:
         """(member, row in that member) of record `record` of field `name`."""
         self.check()
         offsets = self._offsets[name]
-        member = bisect.bisect_right(offsets, record) - 1
-        return member, record - offsets[member]
+        member = int(np.searchsorted(offsets, record, side="right")) - 1
+        return member, int(record - offsets[member])
 
     # --------------------------------------------------------- reading
 
@@ -269,8 +268,7 @@ class ArraySource:
 
     def record_indices(self, step: int, start: int, stop: int) -> list[int]:
         """Which records rows [start, stop) of `step` are (for tests and logs)."""
-        index = self.index
-        return [int(index[p]) for p in self.positions(step, start, stop)]
+        return self.index.records(self.positions(step, start, stop)).tolist()
 
     def files_for(self, step: int, start: int, stop: int) -> list[str]:
         """The members rows [start, stop) of `step` are read from (sorted)."""
@@ -284,29 +282,91 @@ class ArraySource:
         if not 0 <= start <= stop <= self.batch_size:
             raise ValueError(f"{self.where}: rows [{start}, {stop}) outside the batch of "
                              f"{self.batch_size}")
-        records = self.record_indices(step, start, stop)
+        self.check()
+        found = self.index.records(self.positions(step, start, stop))
+        records = found.tolist()
+        placed = {}                                   # field -> (members, rows in them)
+        for name in self.fields:
+            offsets = self._offsets[name]
+            members = np.searchsorted(offsets, found, side="right") - 1
+            placed[name] = (members.tolist(), (found - offsets[members]).tolist())
         reads: list[tuple[str, int, tuple[slice, ...]]] = []
         out, nbytes, per_file = {}, 0, collections.Counter()
-        for name, field in self.fields.items():
-            box = (region or {}).get(name) or tuple((0, n) for n in field.example_shape)
-            shape = tuple(hi - lo for lo, hi in box)
-            value = np.empty((len(records), *shape), dtype=field.dtype)
-            by_member: dict[int, list[tuple[int, int]]] = {}   # member -> [(batch row, row)]
-            for i, record in enumerate(records):
-                member, row = self.locate(name, record)
-                by_member.setdefault(member, []).append((i, row))
-            for member, items in by_member.items():
-                with self._member(member) as store:     # one lease per member and call
-                    array = store.get(self.datasets[name], f"{self.fields_key}.{name}")
-                    ndim = self._ndims.get(name) or self._ndims.setdefault(name, array.ndim)
-                    index = tuple(slice(lo, hi) for lo, hi in box[:ndim - 1])
-                    nbytes += self._read_into(value, items, array, store.format, index,
-                                              name, member, records)
-                per_file[str(self.files.members[member].path)] += len(items)
-                reads += [(name, records[i], index) for i, _ in items]
-            out[name] = value
+        zarr_reads: list[tuple[np.ndarray, list[tuple[int, int]], Any, tuple[slice, ...], str,
+                               int]] = []
+        with contextlib.ExitStack() as held:          # one lease per member and call
+            stores = {m: held.enter_context(self._member(m))
+                      for m in sorted({m for members, _ in placed.values() for m in members})}
+            for name, field in self.fields.items():
+                members, rows = placed[name]
+                box = (region or {}).get(name) or tuple((0, n) for n in field.example_shape)
+                value = np.empty((len(records), *(hi - lo for lo, hi in box)), field.dtype)
+                out[name] = value
+                if not records:
+                    continue
+                key = f"{self.fields_key}.{name}"
+                ndim = self._ndims.get(name) or self._ndims.setdefault(
+                    name, stores[members[0]].get(self.datasets[name], key).ndim)
+                index = tuple(slice(lo, hi) for lo, hi in box[:ndim - 1])
+                left: list[int] | range = range(len(records))
+                if all(lo == 0 and hi == n for (lo, hi), n in zip(box, field.example_shape)):
+                    left, got = self._read_direct(value, name, key, members, rows, stores,
+                                                  records)
+                    nbytes += got
+                by_member: dict[int, list[tuple[int, int]]] = {}   # member -> [(i, row)]
+                for i in left:
+                    by_member.setdefault(members[i], []).append((i, rows[i]))
+                for member, items in by_member.items():
+                    store = stores[member]
+                    array = store.get(self.datasets[name], key)
+                    if store.format == "zarr":              # read below, all at once
+                        zarr_reads.append((value, items, array, index, name, member))
+                        continue
+                    nbytes += self._read_into(value, items, array, store.format, index, name,
+                                              member, records)
+                for member, n in collections.Counter(members).items():
+                    per_file[str(self.files.members[member].path)] += n
+                reads += [(name, record, index) for record in records]
+            if zarr_reads:
+                nbytes += self._read_zarr(zarr_reads, records)
         self._count_reads(reads, nbytes, per_file)
         return out
+
+    def _read_direct(self, value: np.ndarray, name: str, key: str, members: list[int],
+                     rows: list[int], stores: dict[int, Store], records: list[int]
+                     ) -> tuple[list[int], int]:
+        """Whole records of uncompressed HDF5 / NetCDF4 members straight from the files'
+        bytes into `value` (spmd.data.direct_reads); returns the batch rows left to read
+        otherwise (other formats, compression, never-written chunks) and the bytes read."""
+        from spmd.data.direct_reads import ShortRead, read_jobs
+
+        layouts = {}
+        for m in set(members):
+            store = stores[m]
+            same = store.format in ("hdf5", "netcdf") and \
+                store.get(self.datasets[name], key).dtype == value.dtype
+            layouts[m] = store.direct(self.datasets[name], key) if same else None
+        flat = value.reshape(len(rows), -1)
+        jobs, placed, left = [], [], []
+        for i, (m, row) in enumerate(zip(members, rows)):
+            direct = layouts[m]
+            off = direct[1].offset(row) if direct is not None else -1
+            if off < 0:
+                left.append(i)
+                continue
+            jobs.append((direct[0], flat[i], off))
+            placed.append(i)
+        if not jobs:
+            return left, 0
+        try:
+            read_jobs(jobs, flat.shape[1] * value.itemsize)
+        except ShortRead as e:
+            i = placed[e.job]
+            raise self._read_error(name, members[i], [records[i]], [rows[i]], e) from None
+        except OSError as e:
+            raise self._read_error(name, members[placed[0]], [records[i] for i in placed],
+                                   [rows[i] for i in placed], e) from None
+        return left, len(jobs) * flat.shape[1] * value.itemsize
 
     def _count_reads(self, reads: list[tuple[str, int, tuple[slice, ...]]], nbytes: int,
                      per_file: collections.Counter[str]) -> None:
@@ -317,26 +377,44 @@ class ArraySource:
             self.reads_by_file.update(per_file)
             self.last_reads = reads
 
+    def _read_zarr(self, reads: list[tuple[np.ndarray, list[tuple[int, int]], Any,
+                                           tuple[slice, ...], str, int]],
+                   records: list[int]) -> int:
+        """Every Zarr read of one call, [(value, [(batch row, row)], array, index, field,
+        member)], as one orthogonal selection per array and all of them in one round trip
+        to zarr's event loop: the chunks of the whole call are fetched concurrently (a
+        round trip per selection costs more than a 16 KiB chunk). The bytes read."""
+        from zarr.core.sync import sync
+
+        wanted = [sorted({row for _, row in items}) for _, items, *_ in reads]
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(
+                array.async_array.get_orthogonal_selection((np.asarray(rows), *index))
+                for (_, _, array, index, _, _), rows in zip(reads, wanted)),
+                return_exceptions=True)
+
+        nbytes = 0
+        for (value, items, _, _, name, member), rows, got in zip(reads, wanted, sync(gather())):
+            if isinstance(got, OSError | KeyError | RuntimeError | ValueError):
+                raise self._read_error(name, member, [records[i] for i, _ in items],
+                                       [row for _, row in items], got) from None
+            if isinstance(got, BaseException):
+                raise got
+            got = np.asarray(got)
+            at = {row: k for k, row in enumerate(rows)}
+            for i, row in items:
+                value[i] = got[at[row]].reshape(value.shape[1:])
+            nbytes += got.nbytes
+        return nbytes
+
     def _read_into(self, value: np.ndarray, items: list[tuple[int, int]], array: Any,
                    fmt: str, index: tuple[slice, ...], name: str, member: int,
                    records: list[int]) -> int:
         """Rows `items` ([(batch row, row in the member)]) of `array`, each cut to `index`,
-        into `value`; the bytes read. Zarr reads a call's rows in one selection (its chunks
-        fetched concurrently: a per-call round trip to zarr's event loop costs more than a
-        16 KiB chunk); HDF5 and .npy read row by row (h5py: one hyperslab per record is
-        the fastest selection)."""
+        into `value`; the bytes read: HDF5 (what direct reads leave) and .npy row by row
+        (h5py: one hyperslab per record is the fastest selection)."""
         shape = value.shape[1:]
-        if fmt == "zarr" and len(items) > 1:
-            rows = sorted({row for _, row in items})
-            try:
-                got = np.asarray(array.get_orthogonal_selection((np.asarray(rows), *index)))
-            except (OSError, KeyError, RuntimeError, ValueError) as e:
-                raise self._read_error(name, member, [records[i] for i, _ in items],
-                                       [row for _, row in items], e) from None
-            at = {row: k for k, row in enumerate(rows)}
-            for i, row in items:
-                value[i] = got[at[row]].reshape(shape)
-            return got.nbytes
         nbytes = 0
         for i, row in items:
             try:

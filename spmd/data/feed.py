@@ -14,14 +14,17 @@ Background reads (spmd.data.prefetch): a source with `prefetch = k > 0` (ArraySo
 the config's data.prefetch) has the host arrays of steps s+1 .. s+k read by
 `read_threads` daemon threads while step s runs: whole steps, or, for steps of more than
 `MIN_PART_BYTES` per thread, each step's rows split into up to `read_threads` row
-ranges. The threads produce host numpy arrays only; `global_batch` builds the jax.Arrays
-in the caller's thread. The calls are the same as without prefetch, so the batches are
-bit-identical; a read error is raised by the step that needs it.
+ranges. The thread that completes a step also builds its jax.Arrays (a host-to-device
+copy, no collective: `jax.make_array_from_process_local_data`), so the caller only waits,
+and its Python work never competes with the reads for the GIL. The calls are the same as
+without prefetch, so the batches are bit-identical; a read error is raised by the step
+that needs it.
 `BatchFeed(prefetch=, read_threads=)` overrides what the source says (0: read in the call).
 
 Waiting: `last_wait_s` is how long the last `global_batch` call blocked its caller (reading
-or waiting for the background read, plus building the jax.Arrays), `last_read_wait_s` the
-part spent on host data only; `total_wait_s` / `calls` accumulate over every call.
+and building the jax.Arrays, or waiting for the background threads to), `last_read_wait_s`
+the part spent reading host data in the call or waiting for the threads; `total_wait_s` /
+`calls` accumulate over every call.
 """
 
 from __future__ import annotations
@@ -190,7 +193,7 @@ class BatchFeed:
                     parts.append(lambda r=rows, m=names, p=(a, b), into=buffers:
                                  _fill(into, self._read(source, step, r, m, slab, p),
                                        p[0] - r[0]))
-            return parts, lambda _: out
+            return parts, lambda _: self.device_batch(out)
 
         return plan
 
@@ -221,6 +224,17 @@ class BatchFeed:
 
     # ------------------------------------------------------------ the batch
 
+    def device_batch(self, local: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's host arrays -> the global jax.Arrays (no communication). One
+        process holds the whole batch: one batched `device_put` for every field."""
+        names = list(self.fields)
+        if jax.process_count() == 1:
+            put = jax.device_put([local[n] for n in names], [self.shardings[n] for n in names])
+            return dict(zip(names, put))
+        return {name: jax.make_array_from_process_local_data(
+                    self.shardings[name], local[name], field.global_shape(self.batch_size))
+                for name, field in self.fields.items()}
+
     def global_batch(self, source: DataSource, step: int) -> dict[str, jax.Array]:
         if not self.fields:
             return {}
@@ -229,13 +243,9 @@ class BatchFeed:
         if reader is None:
             local = self.host_batch(source, step)
             read_wait = time.perf_counter() - began
+            out = self.device_batch(local)
         else:
-            local, read_wait = reader.get(step)
-        out = {
-            name: jax.make_array_from_process_local_data(
-                self.shardings[name], local[name], field.global_shape(self.batch_size))
-            for name, field in self.fields.items()
-        }
+            out, read_wait = reader.get(step)
         self.last_read_wait_s = read_wait
         self.last_wait_s = time.perf_counter() - began
         self.total_wait_s += self.last_wait_s

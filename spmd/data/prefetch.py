@@ -2,7 +2,9 @@
 
 A `Prefetcher` is given, per step, the independent parts of that step's read (e.g. row
 ranges of this process's rows) and a `combine` that joins their results; daemon threads
-run the parts. `get(step)` returns the step's result and the seconds the caller waited.
+run the parts, and the thread that finishes a step's last part runs its `combine` (the
+feed builds the step's device arrays there: the caller only waits). `get(step)` returns
+the step's result and the seconds the caller waited.
 
 Invariants:
 - What a step yields depends only on the step: the parts are the same calls a synchronous
@@ -11,8 +13,9 @@ Invariants:
 - At most `depth` steps ahead of the last requested step are in flight; a request for a
   step that was not read ahead (a resume, a jump) reads it at once and drops what no
   longer lies ahead. Nothing is read at or beyond `until`.
-- A part's exception is raised by `get` of the step that needs it, in the caller's thread,
-  with its own message (which names the file). Steps never asked for never raise.
+- A part's (or combine's) exception is raised by `get` of the step that needs it, in the
+  caller's thread, with its own message (which names the file). Steps never asked for
+  never raise.
 - Threads are daemons, started on first use; `close()` (also at interpreter exit) cancels
   what has not started and never waits for a read in progress beyond a short grace.
 """
@@ -20,13 +23,13 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import functools
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 Part = Callable[[], Any]
@@ -100,10 +103,43 @@ def _close_all() -> None:
         pool.close(grace_s=0.5)
 
 
-@dataclass
 class _Pending:
-    futures: list[Future]
-    combine: Callable[[list[Any]], Any]
+    """One step in flight: its parts in the pool; the last part to finish runs `combine`
+    and completes `done` (a part's exception completes it at once)."""
+
+    def __init__(self, parts: list[Part], combine: Callable[[list[Any]], Any], pool: ReadPool):
+        self.done: Future = Future()
+        self.combine = combine
+        self._results: list[Any] = [None] * len(parts)
+        self._left = len(parts)
+        self._lock = threading.Lock()
+        if not parts:
+            self._finish()
+        self.futures = [pool.submit(functools.partial(self._run, k, part))
+                        for k, part in enumerate(parts)]
+
+    def _run(self, k: int, part: Part) -> None:
+        try:
+            value = part()
+        except BaseException as e:  # noqa: BLE001 - raised by get() of the step
+            with self._lock:
+                if not self.done.done():
+                    self.done.set_exception(e)
+            return
+        with self._lock:
+            self._results[k] = value
+            self._left -= 1
+            last = self._left == 0 and not self.done.done()
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            result = self.combine(self._results)
+        except BaseException as e:  # noqa: BLE001 - raised by get() of the step
+            self.done.set_exception(e)
+        else:
+            self.done.set_result(result)
 
     def cancel(self) -> None:
         for f in self.futures:
@@ -123,7 +159,7 @@ class Prefetcher:
 
     def _schedule(self, step: int) -> None:
         parts, combine = self.plan(step)
-        self._pending[step] = _Pending([self.pool.submit(p) for p in parts], combine)
+        self._pending[step] = _Pending(parts, combine, self.pool)
 
     def get(self, step: int) -> tuple[Any, float]:
         """Step `step`'s result and the seconds spent waiting for it; reads ahead."""
@@ -141,9 +177,9 @@ class Prefetcher:
                 if (self.until is None or s < self.until) and s not in self._pending:
                     self._schedule(s)
         began = time.perf_counter()
-        results = [f.result() for f in pending.futures]
+        result = pending.done.result()
         waited = time.perf_counter() - began
-        return pending.combine(results), waited
+        return result, waited
 
     def close(self) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import shutil
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,9 @@ class Store:
         self.format = format or detect_format(self.path)
         self._handle: Any = None
         self._arrays: dict[str, Any] = {}
+        self._fd: int | None = None                   # for direct reads (HDF5, NetCDF4)
+        self._layouts: dict[str, Any] = {}
+        self._direct_lock = threading.Lock()
         OPENED[str(self.path)] += 1
         if self.format in ("hdf5", "netcdf"):
             if self.path.is_dir() or not h5py.is_hdf5(self.path):
@@ -135,6 +139,23 @@ class Store:
         if dataset not in self._arrays:
             self._arrays[dataset] = self._find(dataset, key)
         return self._arrays[dataset]
+
+    def direct(self, dataset: str, key: str) -> tuple[int, Any] | None:
+        """(file descriptor, spmd.data.direct_reads.DirectLayout) of an HDF5 or NetCDF4
+        dataset whose records can be read straight from the file's bytes; None otherwise
+        (other formats, compression, ...: read through `get`). Found once per dataset."""
+        if self.format not in ("hdf5", "netcdf"):
+            return None
+        with self._direct_lock:
+            if dataset not in self._layouts:
+                from spmd.data.direct_reads import DirectLayout
+
+                array = self.get(dataset, key)
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                self._layouts[dataset] = DirectLayout.of(array, self._fd)
+            layout = self._layouts[dataset]
+        return None if layout is None else (self._fd, layout)
 
     def _find(self, dataset: str, key: str) -> Any:
         if self.format == "npy":
@@ -211,6 +232,10 @@ class Store:
 
     def close(self) -> None:
         self._arrays.clear()
+        self._layouts.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._handle is not None and self.format in ("hdf5", "netcdf"):
             self._handle.close()
         self._handle = None

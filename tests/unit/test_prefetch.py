@@ -112,6 +112,9 @@ def test_a_read_error_is_raised_by_the_step_that_needs_it(data):
     src = Failing(source(data), bad=4)
     for step in range(4):                  # steps 4 and 5 are read ahead, 4 fails
         f.global_batch(src, step)
+    deadline = time.monotonic() + 30
+    while 4 not in src.steps and time.monotonic() < deadline:
+        time.sleep(0.01)                   # the read ahead runs in a background thread
     assert 4 in src.steps and threading.current_thread() is threading.main_thread()
     with pytest.raises(ArrayDataError, match=r"part7.h5.*'train/u0'.*step 4"):
         f.global_batch(src, 4)
@@ -184,3 +187,34 @@ def test_exit_with_reads_in_flight_does_not_hang(data):
                        timeout=60, env=clean_env(JAX_NUM_CPU_DEVICES="8"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "done" in r.stdout and time.perf_counter() - began < 25
+
+
+def test_the_thread_that_finishes_a_step_combines_it():
+    """The last part's thread runs `combine` (the feed builds device arrays there); an
+    exception in combine is raised by get() of that step only."""
+    from spmd.data.prefetch import Prefetcher
+
+    combined_in: list[str] = []
+
+    def plan(step):
+        parts = [lambda k=k: k * 10 + step for k in range(3)]
+
+        def combine(results):
+            combined_in.append(threading.current_thread().name)
+            if step == 2:
+                raise ValueError("combine failed at step 2")
+            return results
+
+        return parts, combine
+
+    reader = Prefetcher(plan, depth=2, threads=2, name="t-read")
+    try:
+        assert reader.get(0)[0] == [0, 10, 20]
+        assert reader.get(1)[0] == [1, 11, 21]
+        with pytest.raises(ValueError, match="step 2"):
+            reader.get(2)
+        assert reader.get(3)[0] == [3, 13, 23]
+    finally:
+        reader.close()
+    assert len(combined_in) >= 4
+    assert all(name.startswith("t-read") for name in combined_in)

@@ -1,0 +1,184 @@
+"""spmd.data.direct_reads: whole records of uncompressed HDF5 / NetCDF4 datasets read from
+the file's bytes equal what h5py reads; anything else goes through h5py; a truncated file
+is named."""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+import spmd.data.direct_reads as direct_reads
+from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
+from spmd.data.direct_reads import DirectLayout, read_jobs
+from spmd.data.stores import Store
+
+ROWS, SHAPE = 23, (6, 4)
+FIELD = {"u": BatchField((*SHAPE, 1), np.float32, ("batch", "x", "y", None))}
+
+
+def values(dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(3).standard_normal((ROWS, *SHAPE)).astype(dtype)
+
+
+def write_h5(path, data, **kw) -> str:
+    with h5py.File(path, "w", **kw.pop("file", {})) as f:
+        f.create_dataset("train/u", data=data, **kw)
+    return str(path)
+
+
+def direct_values(path, dataset="train/u") -> np.ndarray | None:
+    """Every record read through the layout (None: no layout)."""
+    store = Store(path, "test")
+    try:
+        found = store.direct(dataset, "data.fields.u")
+        if found is None:
+            return None
+        fd, layout = found
+        array = store.get(dataset, "k")
+        out = np.empty(array.shape, layout.dtype)
+        jobs = [(fd, out[r], layout.offset(r)) for r in range(array.shape[0])]
+        read_jobs(jobs, layout.row_bytes)
+        return out
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("chunks", [None, (1, *SHAPE), (5, *SHAPE), True])
+def test_uncompressed_layouts_read_what_h5py_reads(tmp_path, chunks):
+    """Contiguous, one record per chunk, five per chunk (the last chunk partial), and h5py's
+    automatic chunks (which split records: refused)."""
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=chunks)
+    got = direct_values(path)
+    if chunks is True and h5py.File(path)["train/u"].chunks[1:] != SHAPE:
+        assert got is None
+    else:
+        assert got is not None
+        np.testing.assert_array_equal(got, data)
+
+
+def test_netcdf_variables_read_directly(tmp_path):
+    data = values()
+    path = write_arrays(tmp_path / "d.nc", {"train/u": data}, format="netcdf")
+    got = direct_values(path)
+    assert got is not None
+    np.testing.assert_array_equal(got, data)
+
+
+@pytest.mark.parametrize("kw", [{"compression": "gzip", "chunks": (1, *SHAPE)},
+                                {"shuffle": True, "chunks": (1, *SHAPE)},
+                                {"fletcher32": True, "chunks": (1, *SHAPE)},
+                                {"chunks": (1, 3, 4)},
+                                {"dtype": ">f4"}])
+def test_other_storage_is_read_through_h5py(tmp_path, kw):
+    path = write_h5(tmp_path / "d.h5", values(), **kw)
+    assert direct_values(path) is None
+
+
+def test_a_userblock_file_reads_the_right_bytes(tmp_path):
+    """HDF5 addresses are relative to the file's base (after a user block): a layout, when
+    there is one, must read the right values (it checks itself against h5py)."""
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE), file={"userblock_size": 512})
+    got = direct_values(path)
+    assert got is None or np.array_equal(got, data)
+    src = ArraySource(path, {"u": "train/u"}, FIELD, ROWS, shuffle=False)
+    np.testing.assert_array_equal(src.rows(0, 0, ROWS)["u"][..., 0], data)
+
+
+def test_chunks_never_written_read_the_fill_value(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("train/u", shape=(ROWS, *SHAPE), dtype=np.float32,
+                             chunks=(1, *SHAPE), fillvalue=7.0)
+        for r in (0, 4, ROWS - 1):
+            d[r] = r
+    with h5py.File(path) as f:
+        want = f["train/u"][...]
+    store = Store(path, "test")
+    _, layout = store.direct("train/u", "k")
+    store.close()
+    assert (layout.offsets(np.arange(ROWS)) >= 0).sum() == 3
+    src = ArraySource(path, {"u": "train/u"}, FIELD, ROWS, shuffle=False)
+    got = src.rows(0, 0, ROWS)["u"][..., 0]
+    np.testing.assert_array_equal(got, want)
+    assert got[1, 0, 0] == 7.0 and got[4, 0, 0] == 4.0
+
+
+def counting(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = direct_reads.read_jobs
+
+    def count(jobs, row_bytes):
+        calls.append(len(jobs))
+        return real(jobs, row_bytes)
+
+    monkeypatch.setattr(direct_reads, "read_jobs", count)
+    return calls
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_the_source_reads_directly_and_equals_h5py(tmp_path, monkeypatch, compression):
+    """Shuffled steps over two files: the same batches with direct reads as through h5py
+    (direct reads off); direct reads happen only for the uncompressed files."""
+    data = values()
+    for i, part in enumerate((data[:11], data[11:])):
+        write_h5(tmp_path / f"p{i}.h5", part, chunks=(1, *SHAPE), compression=compression)
+    calls = counting(monkeypatch)
+    src = ArraySource(tmp_path / "*.h5", {"u": "train/u"}, FIELD, 8, seed=2)
+    got = [src.rows(step, 0, 8)["u"] for step in range(6)]
+    assert (sum(calls) > 0) == (compression is None)
+    monkeypatch.setattr(Store, "direct", lambda self, dataset, key: None)
+    plain = ArraySource(tmp_path / "*.h5", {"u": "train/u"}, FIELD, 8, seed=2)
+    for step in range(6):
+        assert got[step].tobytes() == plain.rows(step, 0, 8)["u"].tobytes()
+        records = src.record_indices(step, 0, 8)
+        np.testing.assert_array_equal(got[step][..., 0], data[records])
+
+
+def test_a_cast_or_a_slab_reads_through_h5py(tmp_path, monkeypatch):
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
+    calls = counting(monkeypatch)
+    wide = {"u": BatchField((*SHAPE, 1), np.float64, ("batch", "x", "y", None))}
+    src = ArraySource(path, {"u": "train/u"}, wide, 4, shuffle=False)
+    np.testing.assert_array_equal(src.rows(0, 0, 4)["u"][..., 0], data[:4].astype(np.float64))
+    src = ArraySource(path, {"u": "train/u"}, FIELD, 4, shuffle=False)
+    slab = src.rows(0, 0, 4, region={"u": ((2, 5), (0, 4), (0, 1))})["u"]
+    np.testing.assert_array_equal(slab[..., 0], data[:4, 2:5])
+    assert calls == []
+
+
+@pytest.mark.parametrize("nowait", [True, False])
+def test_cold_pages_and_no_rwf_nowait_read_the_same(tmp_path, monkeypatch, nowait):
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
+    if not nowait:
+        monkeypatch.setattr(direct_reads, "_NOWAIT", None)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    np.testing.assert_array_equal(direct_values(path), data)
+
+
+def test_a_file_truncated_under_a_run_is_named(tmp_path):
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
+    src = ArraySource(path, {"u": "train/u"}, FIELD, ROWS, shuffle=False)
+    src.rows(0, 0, 2)                                  # the layout is found now
+    with h5py.File(path) as f:
+        last = f["train/u"].id.get_chunk_info(ROWS - 1).byte_offset
+    os.truncate(path, last + 8)
+    with pytest.raises(ArrayDataError, match=r"d\.h5.*'train/u'.*truncated"):
+        src.rows(0, 0, ROWS)
+
+
+def test_layouts_are_refused_without_h5py_datasets():
+    assert DirectLayout.of(np.zeros((3, 2)), -1) is None
