@@ -17,8 +17,9 @@ Invariants:
 - `rows(step, start, stop, region)` reads only the records of rows [start, stop), and of
   each record only `region[field]` (a half-open index range per example axis): one
   hyperslab read (chunked formats) or memmap slice per record and field; whole records of
-  uncompressed HDF5 / NetCDF4 datasets are read straight from the file's bytes instead
-  (spmd.data.direct_reads: one pread each, same values). `reads_slabs =
+  uncompressed HDF5 / NetCDF4 datasets (spmd.data.direct_reads: one pread each) and of
+  Zarr v3 arrays of one record per chunk (spmd.data.zarr_chunks: one chunk file each) are
+  read straight from the files' bytes instead, with the same values. `reads_slabs =
   True` tells the feed (spmd.data.feed) that it may ask for a process's slab of a
   spatially split field.
 - Members are opened lazily, when a row they hold is read (at most `max_open` at once);
@@ -335,38 +336,36 @@ class ArraySource:
     def _read_direct(self, value: np.ndarray, name: str, key: str, members: list[int],
                      rows: list[int], stores: dict[int, Store], records: list[int]
                      ) -> tuple[list[int], int]:
-        """Whole records of uncompressed HDF5 / NetCDF4 members straight from the files'
-        bytes into `value` (spmd.data.direct_reads); returns the batch rows left to read
-        otherwise (other formats, compression, never-written chunks) and the bytes read."""
-        from spmd.data.direct_reads import ShortRead, read_jobs
+        """Whole records straight from the files' bytes into `value` (uncompressed HDF5 /
+        NetCDF4: spmd.data.direct_reads; Zarr v3, one record per chunk:
+        spmd.data.zarr_chunks); returns the batch rows left to read otherwise (other
+        layouts, never-written chunks) and the bytes read."""
+        from spmd.data.direct_reads import ShortRead
 
-        layouts = {}
-        for m in set(members):
-            store = stores[m]
-            same = store.format in ("hdf5", "netcdf") and \
-                store.get(self.datasets[name], key).dtype == value.dtype
-            layouts[m] = store.direct(self.datasets[name], key) if same else None
         flat = value.reshape(len(rows), -1)
-        jobs, placed, left = [], [], []
-        for i, (m, row) in enumerate(zip(members, rows)):
-            direct = layouts[m]
-            off = direct[1].offset(row) if direct is not None else -1
-            if off < 0:
-                left.append(i)
+        by_member: dict[int, list[int]] = {}
+        for i, m in enumerate(members):
+            by_member.setdefault(m, []).append(i)
+        left: list[int] = []
+        done = 0
+        for m, batch_rows in by_member.items():
+            store = stores[m]
+            reader = store.direct(self.datasets[name], key) \
+                if store.get(self.datasets[name], key).dtype == value.dtype else None
+            if reader is None:
+                left += batch_rows
                 continue
-            jobs.append((direct[0], flat[i], off))
-            placed.append(i)
-        if not jobs:
-            return left, 0
-        try:
-            read_jobs(jobs, flat.shape[1] * value.itemsize)
-        except ShortRead as e:
-            i = placed[e.job]
-            raise self._read_error(name, members[i], [records[i]], [rows[i]], e) from None
-        except OSError as e:
-            raise self._read_error(name, members[placed[0]], [records[i] for i in placed],
-                                   [rows[i] for i in placed], e) from None
-        return left, len(jobs) * flat.shape[1] * value.itemsize
+            try:
+                missed = reader.read([rows[i] for i in batch_rows], [flat[i] for i in batch_rows])
+            except ShortRead as e:
+                i = batch_rows[e.job]
+                raise self._read_error(name, m, [records[i]], [rows[i]], e) from None
+            except OSError as e:
+                raise self._read_error(name, m, [records[i] for i in batch_rows],
+                                       [rows[i] for i in batch_rows], e) from None
+            left += [batch_rows[k] for k in missed]
+            done += len(batch_rows) - len(missed)
+        return sorted(left), done * flat.shape[1] * value.itemsize
 
     def _count_reads(self, reads: list[tuple[str, int, tuple[slice, ...]]], nbytes: int,
                      per_file: collections.Counter[str]) -> None:

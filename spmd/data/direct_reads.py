@@ -33,7 +33,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-__all__ = ["DirectLayout", "ShortRead", "read_jobs"]
+__all__ = ["DirectLayout", "FileRecords", "ShortRead", "read_jobs"]
 
 NO_OFFSET = -1
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
@@ -41,7 +41,8 @@ _NOWAIT = getattr(os, "RWF_NOWAIT", None)     # Linux: read only what the page c
 
 
 class ShortRead(OSError):
-    """A record's bytes end before its HDF5 metadata says (`job`: its place in the list)."""
+    """A record's bytes end before its metadata says, or do not decode to a record (`job`:
+    its place in the list read)."""
 
     def __init__(self, job: int, message: str):
         super().__init__(message)
@@ -125,6 +126,31 @@ class DirectLayout:
             if mine.tobytes() != np.asarray(dataset[row]).tobytes():
                 return False
         return True
+
+
+@dataclass(frozen=True)
+class FileRecords:
+    """The records of one HDF5 dataset, read through an open file descriptor."""
+
+    fd: int
+    layout: DirectLayout
+
+    def read(self, rows: list[int], buffers: list[np.ndarray]) -> list[int]:
+        """Record `rows[k]` into `buffers[k]` (a C-contiguous record); returns the k left
+        unread (a chunk never written: the caller reads its fill value through h5py)."""
+        jobs, placed, left = [], [], []
+        for k, (row, buffer) in enumerate(zip(rows, buffers)):
+            off = self.layout.offset(row)
+            if off < 0:
+                left.append(k)
+                continue
+            jobs.append((self.fd, buffer, off))
+            placed.append(k)
+        try:
+            read_jobs(jobs, self.layout.row_bytes)
+        except ShortRead as e:
+            raise ShortRead(placed[e.job], str(e)) from None
+        return left
 
 
 def read_jobs(jobs: list[tuple[int, np.ndarray, int]], row_bytes: int) -> None:

@@ -140,22 +140,30 @@ class Store:
             self._arrays[dataset] = self._find(dataset, key)
         return self._arrays[dataset]
 
-    def direct(self, dataset: str, key: str) -> tuple[int, Any] | None:
-        """(file descriptor, spmd.data.direct_reads.DirectLayout) of an HDF5 or NetCDF4
-        dataset whose records can be read straight from the file's bytes; None otherwise
-        (other formats, compression, ...: read through `get`). Found once per dataset."""
-        if self.format not in ("hdf5", "netcdf"):
+    def direct(self, dataset: str, key: str) -> Any:
+        """A reader of whole records straight from the files' bytes, found once per dataset:
+        `spmd.data.direct_reads.FileRecords` for an uncompressed HDF5 / NetCDF4 dataset,
+        `spmd.data.zarr_chunks.ChunkRecords` for a Zarr v3 array of one record per chunk;
+        None otherwise (read through `get`). `reader.read(rows, buffers)` returns the
+        records it left."""
+        if self.format not in ("hdf5", "netcdf", "zarr"):
             return None
         with self._direct_lock:
             if dataset not in self._layouts:
-                from spmd.data.direct_reads import DirectLayout
-
                 array = self.get(dataset, key)
-                if self._fd is None:
-                    self._fd = os.open(self.path, os.O_RDONLY)
-                self._layouts[dataset] = DirectLayout.of(array, self._fd)
-            layout = self._layouts[dataset]
-        return None if layout is None else (self._fd, layout)
+                if self.format == "zarr":
+                    from spmd.data.zarr_chunks import ChunkRecords
+
+                    self._layouts[dataset] = ChunkRecords.of(array)
+                else:
+                    from spmd.data.direct_reads import DirectLayout, FileRecords
+
+                    if self._fd is None:
+                        self._fd = os.open(self.path, os.O_RDONLY)
+                    layout = DirectLayout.of(array, self._fd)
+                    self._layouts[dataset] = None if layout is None else \
+                        FileRecords(self._fd, layout)
+            return self._layouts[dataset]
 
     def _find(self, dataset: str, key: str) -> Any:
         if self.format == "npy":

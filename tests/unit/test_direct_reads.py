@@ -33,14 +33,13 @@ def direct_values(path, dataset="train/u") -> np.ndarray | None:
     """Every record read through the layout (None: no layout)."""
     store = Store(path, "test")
     try:
-        found = store.direct(dataset, "data.fields.u")
-        if found is None:
+        reader = store.direct(dataset, "data.fields.u")
+        if reader is None:
             return None
-        fd, layout = found
         array = store.get(dataset, "k")
-        out = np.empty(array.shape, layout.dtype)
-        jobs = [(fd, out[r], layout.offset(r)) for r in range(array.shape[0])]
-        read_jobs(jobs, layout.row_bytes)
+        out = np.empty(array.shape, reader.layout.dtype)
+        jobs = [(reader.fd, out[r], reader.layout.offset(r)) for r in range(array.shape[0])]
+        read_jobs(jobs, reader.layout.row_bytes)
         return out
     finally:
         store.close()
@@ -99,7 +98,7 @@ def test_chunks_never_written_read_the_fill_value(tmp_path):
     with h5py.File(path) as f:
         want = f["train/u"][...]
     store = Store(path, "test")
-    _, layout = store.direct("train/u", "k")
+    layout = store.direct("train/u", "k").layout
     store.close()
     assert (layout.offsets(np.arange(ROWS)) >= 0).sum() == 3
     src = ArraySource(path, {"u": "train/u"}, FIELD, ROWS, shuffle=False)
