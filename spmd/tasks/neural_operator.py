@@ -51,7 +51,16 @@ def dataset_path(cfg) -> Path:
             f"data.source=hdf5 and data.path=FILE (made by `spmd data make` if missing); "
             f"got data.source={cfg.data.source}, data.path={cfg.data.path}"
         )
-    return Path(cfg.data.path)
+    path = Path(cfg.data.path)
+    if path.is_dir() or any(c in str(path) for c in "*?["):
+        raise DatasetError(
+            f"model.name={cfg.model.name} trains on one HDF5 fields file made by `spmd data "
+            f"make` (its solver parameters and statistics are per file); data.path={path} "
+            f"is a {'directory' if path.is_dir() else 'glob'}. Point data.path at one file, "
+            f"or train many files with a spmd.FieldTask of your own (it reads directories and "
+            f"globs of HDF5, NetCDF4, Zarr and .npy stores: docs/data.md)"
+        )
+    return path
 
 
 def make_dataset(cfg, *, workers: int = 1, compression: str | None = None) -> FieldsInfo:

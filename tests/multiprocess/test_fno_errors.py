@@ -58,3 +58,18 @@ def test_truncated_hdf5_file(tmp_path, dataset):
 def test_mismatch_under_two_ranks_exits_without_hanging(tmp_path, dataset):
     err = train_fails(tmp_path, dataset, "model.grid=32", launcher=("run", "-n", "2"))
     assert "model.grid=32" in err
+
+
+@pytest.mark.parametrize("kind", ["directory", "glob"])
+def test_a_directory_or_glob_of_files_is_refused_with_what_to_use(tmp_path, dataset, kind):
+    """The built-in FNO reads one fields file; many files are a FieldTask's (docs/data.md)."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "darcy16.h5").write_bytes(dataset.read_bytes())
+    data_path = parts if kind == "directory" else parts / "*.h5"
+    result = run_spmd("train", str(tiny_config(tmp_path, data_path)), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"data.path={data_path} is a {kind}" in result.stderr
+    assert "spmd.FieldTask" in result.stderr
+    assert sorted(p.name for p in parts.iterdir()) == ["darcy16.h5"]
