@@ -70,6 +70,11 @@ class ArraySource:
     """
 
     reads_slabs = True
+    # After a direct read that missed the page cache, the records of this many following
+    # steps are announced to the kernel (posix_fadvise WILLNEED), as its own readahead
+    # does for a sequential read: a cold shuffled read then keeps several steps of I/O
+    # in flight. Nothing is announced while reads hit the cache.
+    READAHEAD_STEPS = 4
 
     def __init__(self, path: str | Path, datasets: Mapping[str, str],
                  fields: Mapping[str, BatchField], batch_size: int, *, seed: int = 0,
@@ -96,6 +101,7 @@ class ArraySource:
         self.reads_by_file: collections.Counter[str] = collections.Counter()
 
     def _setup(self) -> None:
+        self._advised: dict[tuple[int, int], int] = {}     # rows -> last step told
         self._lock = threading.RLock()
         self._files: FileIndex | None = None
         self._offsets: dict[str, np.ndarray] = {}        # field -> cumulative record counts
@@ -295,6 +301,7 @@ class ArraySource:
         out, nbytes, per_file = {}, 0, collections.Counter()
         zarr_reads: list[tuple[np.ndarray, list[tuple[int, int]], Any, tuple[slice, ...], str,
                                int]] = []
+        missed = 0                                    # direct reads not in the page cache
         with contextlib.ExitStack() as held:          # one lease per member and call
             stores = {m: held.enter_context(self._member(m))
                       for m in sorted({m for members, _ in placed.values() for m in members})}
@@ -311,9 +318,10 @@ class ArraySource:
                 index = tuple(slice(lo, hi) for lo, hi in box[:ndim - 1])
                 left: list[int] | range = range(len(records))
                 if all(lo == 0 and hi == n for (lo, hi), n in zip(box, field.example_shape)):
-                    left, got = self._read_direct(value, name, key, members, rows, stores,
-                                                  records)
+                    left, got, cold = self._read_direct(value, name, key, members, rows,
+                                                        stores, records)
                     nbytes += got
+                    missed += cold
                 by_member: dict[int, list[tuple[int, int]]] = {}   # member -> [(i, row)]
                 for i in left:
                     by_member.setdefault(members[i], []).append((i, rows[i]))
@@ -331,15 +339,43 @@ class ArraySource:
             if zarr_reads:
                 nbytes += self._read_zarr(zarr_reads, records)
         self._count_reads(reads, nbytes, per_file)
+        if missed:
+            self._read_ahead(step, start, stop)
         return out
+
+    def _read_ahead(self, step: int, start: int, stop: int) -> None:
+        """After a read that missed the page cache: tell the kernel the records of rows
+        [start, stop) of the next READAHEAD_STEPS steps (those not told yet), so that their
+        I/O runs while this step is used, as the kernel's own readahead does for a
+        sequential read."""
+        with self._lock:
+            first = max(step, self._advised.get((start, stop), step)) + 1
+            last = step + self.READAHEAD_STEPS
+            if self.prefetch_until is not None:
+                last = min(last, self.prefetch_until - 1)
+            if first > last:
+                return
+            self._advised[(start, stop)] = last
+        found = self.index.records(np.concatenate(
+            [np.asarray(self.positions(t, start, stop)) for t in range(first, last + 1)]))
+        for name in self.fields:
+            offsets = self._offsets[name]
+            members = np.searchsorted(offsets, found, side="right") - 1
+            rows = found - offsets[members]
+            for m in np.unique(members).tolist():
+                with self._member(m) as store:
+                    reader = store.direct(self.datasets[name], f"{self.fields_key}.{name}")
+                    if reader is not None:
+                        reader.advise(rows[members == m].tolist())
 
     def _read_direct(self, value: np.ndarray, name: str, key: str, members: list[int],
                      rows: list[int], stores: dict[int, Store], records: list[int]
-                     ) -> tuple[list[int], int]:
+                     ) -> tuple[list[int], int, int]:
         """Whole records straight from the files' bytes into `value` (uncompressed HDF5 /
         NetCDF4: spmd.data.direct_reads; Zarr v3, one record per chunk:
         spmd.data.zarr_chunks); returns the batch rows left to read otherwise (other
-        layouts, never-written chunks) and the bytes read."""
+        layouts, never-written chunks), the bytes read and how many records were not in
+        the page cache."""
         from spmd.data.direct_reads import ShortRead
 
         flat = value.reshape(len(rows), -1)
@@ -347,7 +383,7 @@ class ArraySource:
         for i, m in enumerate(members):
             by_member.setdefault(m, []).append(i)
         left: list[int] = []
-        done = 0
+        done = missed = 0
         for m, batch_rows in by_member.items():
             store = stores[m]
             reader = store.direct(self.datasets[name], key) \
@@ -356,16 +392,18 @@ class ArraySource:
                 left += batch_rows
                 continue
             try:
-                missed = reader.read([rows[i] for i in batch_rows], [flat[i] for i in batch_rows])
+                unread, cold = reader.read([rows[i] for i in batch_rows],
+                                           [flat[i] for i in batch_rows])
             except ShortRead as e:
                 i = batch_rows[e.job]
                 raise self._read_error(name, m, [records[i]], [rows[i]], e) from None
             except OSError as e:
                 raise self._read_error(name, m, [records[i] for i in batch_rows],
                                        [rows[i] for i in batch_rows], e) from None
-            left += [batch_rows[k] for k in missed]
-            done += len(batch_rows) - len(missed)
-        return sorted(left), done * flat.shape[1] * value.itemsize
+            left += [batch_rows[k] for k in unread]
+            done += len(batch_rows) - len(unread)
+            missed += cold
+        return sorted(left), done * flat.shape[1] * value.itemsize, missed
 
     def _count_reads(self, reads: list[tuple[str, int, tuple[slice, ...]]], nbytes: int,
                      per_file: collections.Counter[str]) -> None:

@@ -135,9 +135,10 @@ class FileRecords:
     fd: int
     layout: DirectLayout
 
-    def read(self, rows: list[int], buffers: list[np.ndarray]) -> list[int]:
+    def read(self, rows: list[int], buffers: list[np.ndarray]) -> tuple[list[int], int]:
         """Record `rows[k]` into `buffers[k]` (a C-contiguous record); returns the k left
-        unread (a chunk never written: the caller reads its fill value through h5py)."""
+        unread (a chunk never written: the caller reads its fill value through h5py) and
+        how many records were not in the page cache."""
         jobs, placed, left = [], [], []
         for k, (row, buffer) in enumerate(zip(rows, buffers)):
             off = self.layout.offset(row)
@@ -147,33 +148,43 @@ class FileRecords:
             jobs.append((self.fd, buffer, off))
             placed.append(k)
         try:
-            read_jobs(jobs, self.layout.row_bytes)
+            misses = read_jobs(jobs, self.layout.row_bytes)
         except ShortRead as e:
             raise ShortRead(placed[e.job], str(e)) from None
-        return left
+        return left, misses
+
+    def advise(self, rows: list[int]) -> None:
+        """Tell the kernel that records `rows` will be read soon (`WILLNEED`)."""
+        if _WILLNEED is None:
+            return
+        for off in self.layout.offsets(np.asarray(rows, dtype=np.int64)).tolist():
+            if off >= 0:
+                os.posix_fadvise(self.fd, off, self.layout.row_bytes, _WILLNEED)
 
 
-def read_jobs(jobs: list[tuple[int, np.ndarray, int]], row_bytes: int) -> None:
+def read_jobs(jobs: list[tuple[int, np.ndarray, int]], row_bytes: int) -> int:
     """Read each job's `row_bytes` bytes at (file descriptor, offset) into its buffer (a
     C-contiguous record). Records already in the page cache are copied at once
     (`RWF_NOWAIT`); the others are announced to the kernel together (`WILLNEED`), so that
-    they are fetched concurrently, then read. Raises ShortRead naming the job whose file
-    ends early."""
+    they are fetched concurrently, then read. Returns how many were not in the page cache
+    (all of them where the file system cannot say). Raises ShortRead naming the job whose
+    file ends early."""
     global _NOWAIT
-    misses = list(range(len(jobs)))
-    if _NOWAIT is not None and len(jobs) > 1:
-        misses = []
-        for k, (fd, buffer, off) in enumerate(jobs):
-            try:
-                got = os.preadv(fd, [buffer], off, _NOWAIT)
-            except BlockingIOError:
-                got = -1
-            except OSError as e:                 # a file system without RWF_NOWAIT
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                _NOWAIT, got = None, -1
-            if got != row_bytes:
-                misses.append(k)
+    misses = []
+    for k, (fd, buffer, off) in enumerate(jobs):
+        if _NOWAIT is None:
+            misses.append(k)
+            continue
+        try:
+            got = os.preadv(fd, [buffer], off, _NOWAIT)
+        except BlockingIOError:
+            got = -1
+        except OSError as e:                     # a file system without RWF_NOWAIT
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            _NOWAIT, got = None, -1
+        if got != row_bytes:
+            misses.append(k)
     if _WILLNEED is not None and len(misses) > 1:
         for k in misses:
             os.posix_fadvise(jobs[k][0], jobs[k][2], row_bytes, _WILLNEED)
@@ -183,3 +194,4 @@ def read_jobs(jobs: list[tuple[int, np.ndarray, int]], row_bytes: int) -> None:
         if got != row_bytes:
             raise ShortRead(k, f"read {got} of {row_bytes} bytes at offset {off} (the file "
                                f"is shorter than its HDF5 metadata says: truncated?)")
+    return len(misses)

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from spmd.data.direct_reads import ShortRead
 __all__ = ["ChunkRecords"]
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)     # Linux: read only what the page cache holds
 
 
 def _decoder(codec: Any) -> Callable[[bytes], Any] | None:
@@ -115,13 +117,14 @@ class ChunkRecords:
         rows = [r for r in (0, array.shape[0] - 1) if self.path(r).is_file()]
         for row in set(rows):
             mine = np.empty(array.shape[1:], dtype=self.dtype)
-            if self.read([row], [mine]) or mine.tobytes() != np.asarray(array[row]).tobytes():
+            if self.read([row], [mine])[0] or mine.tobytes() != np.asarray(array[row]).tobytes():
                 return False
         return True
 
-    def read(self, rows: list[int], buffers: list[np.ndarray]) -> list[int]:
+    def read(self, rows: list[int], buffers: list[np.ndarray]) -> tuple[list[int], int]:
         """Record `rows[k]` into `buffers[k]` (a C-contiguous record of `dtype`); returns the
-        k left unread (no chunk file: the fill value, read through zarr)."""
+        k left unread (no chunk file: the fill value, read through zarr) and how many chunk
+        files were not in the page cache."""
         fds: list[int | None] = []
         left: list[int] = []
         try:
@@ -131,22 +134,38 @@ class ChunkRecords:
                 except FileNotFoundError:
                     fds.append(None)
                     left.append(k)
-            if _WILLNEED is not None and len(rows) > 1:
-                for fd in fds:
-                    if fd is not None:
-                        os.posix_fadvise(fd, 0, 0, _WILLNEED)
-            for k, fd in enumerate(fds):
-                if fd is not None:
-                    self._decode_into(k, rows[k], fd, buffers[k])
+            data = [None if fd is None else _read_cached(fd) for fd in fds]
+            misses = [k for k, (fd, got) in enumerate(zip(fds, data))
+                      if fd is not None and got is None]
+            if _WILLNEED is not None and len(misses) > 1:
+                for k in misses:
+                    os.posix_fadvise(fds[k], 0, 0, _WILLNEED)
+            for k in misses:
+                data[k] = os.pread(fds[k], os.fstat(fds[k]).st_size, 0)
+            for k, got in enumerate(data):
+                if got is not None:
+                    self._decode_into(k, rows[k], got, buffers[k])
         finally:
             for fd in fds:
                 if fd is not None:
                     os.close(fd)
-        return left
+        return left, len(misses)
 
-    def _decode_into(self, k: int, row: int, fd: int, buffer: np.ndarray) -> None:
-        size = os.fstat(fd).st_size
-        data: Any = os.pread(fd, size, 0)
+    def advise(self, rows: list[int]) -> None:
+        """Tell the kernel that the chunk files of records `rows` will be read soon."""
+        if _WILLNEED is None:
+            return
+        for row in rows:
+            try:
+                fd = os.open(self.path(row), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, _WILLNEED)
+            finally:
+                os.close(fd)
+
+    def _decode_into(self, k: int, row: int, data: Any, buffer: np.ndarray) -> None:
         try:
             for decode in reversed(self.decoders):
                 data = decode(data)
@@ -158,3 +177,22 @@ class ChunkRecords:
             raise ShortRead(k, f"chunk file {self.path(row)} decodes to {raw.nbytes} bytes, "
                                f"not the record's {self.row_bytes} (damaged or truncated?)")
         buffer.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, dtype=np.uint8)
+
+
+def _read_cached(fd: int) -> bytearray | None:
+    """The whole file if the page cache holds it (`RWF_NOWAIT`), else None."""
+    global _NOWAIT
+    size = os.fstat(fd).st_size
+    if _NOWAIT is None:
+        return None
+    buffer = bytearray(size)
+    try:
+        got = os.preadv(fd, [buffer], 0, _NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as e:                          # a file system without RWF_NOWAIT
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        _NOWAIT = None
+        return None
+    return buffer if got == size else None

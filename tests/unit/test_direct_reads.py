@@ -181,3 +181,32 @@ def test_a_file_truncated_under_a_run_is_named(tmp_path):
 
 def test_layouts_are_refused_without_h5py_datasets():
     assert DirectLayout.of(np.zeros((3, 2)), -1) is None
+
+
+def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, monkeypatch):
+    """Records that missed the page cache (here: a file system that cannot say, so every
+    record counts as a miss) make the source announce rows [start, stop) of the next
+    READAHEAD_STEPS steps, once each; reads that hit the cache announce nothing."""
+    from spmd.data.direct_reads import FileRecords
+
+    path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
+    told: list[list[int]] = []
+    real = FileRecords.advise
+    monkeypatch.setattr(FileRecords, "advise",
+                        lambda self, rows: (told.append(rows), real(self, rows))[1])
+    monkeypatch.setattr(direct_reads, "_NOWAIT", None)
+    src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1)
+    src.rows(0, 1, 3)
+    ahead = src.READAHEAD_STEPS
+    want = [r for t in range(1, 1 + ahead) for r in src.record_indices(t, 1, 3)]
+    assert [r for rows in told for r in rows] == want
+    src.rows(1, 1, 3)                              # one step further: one more step told
+    assert told[-1] == src.record_indices(1 + ahead, 1, 3)
+    src.rows(0, 1, 3)                              # nothing new to tell
+    assert len(told) == 2
+    monkeypatch.setattr(direct_reads, "_NOWAIT", getattr(os, "RWF_NOWAIT", None))
+    if direct_reads._NOWAIT is not None:           # Linux: the page cache holds the file
+        warm = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1)
+        for step in range(3):
+            warm.rows(step, 0, 4)
+        assert len(told) == 2
