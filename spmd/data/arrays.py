@@ -35,7 +35,6 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import threading
@@ -48,6 +47,7 @@ import numpy as np
 from spmd.data.batch import BatchField
 from spmd.data.file_index import FileIndex, load_index
 from spmd.data.order import EpochOrder
+from spmd.data.record_reads import RecordReads
 from spmd.data.stores import ArrayDataError, Store, detect_format, write_arrays
 
 __all__ = ["ArrayDataError", "ArraySource", "Region", "store_format", "write_arrays"]
@@ -60,7 +60,7 @@ def store_format(path: Path) -> str:
     return detect_format(path)
 
 
-class ArraySource:
+class ArraySource(RecordReads):
     """The DataSource of named on-disk array fields; rows [start, stop) of the global batch.
 
     `datasets` maps each batch field to its dataset path in the store(s); `fields` are the
@@ -70,11 +70,6 @@ class ArraySource:
     """
 
     reads_slabs = True
-    # After a direct read that missed the page cache, the records of this many following
-    # steps are announced to the kernel (posix_fadvise WILLNEED), as its own readahead
-    # does for a sequential read: a cold shuffled read then keeps several steps of I/O
-    # in flight. Nothing is announced while reads hit the cache.
-    READAHEAD_STEPS = 4
 
     def __init__(self, path: str | Path, datasets: Mapping[str, str],
                  fields: Mapping[str, BatchField], batch_size: int, *, seed: int = 0,
@@ -343,68 +338,6 @@ class ArraySource:
             self._read_ahead(step, start, stop)
         return out
 
-    def _read_ahead(self, step: int, start: int, stop: int) -> None:
-        """After a read that missed the page cache: tell the kernel the records of rows
-        [start, stop) of the next READAHEAD_STEPS steps (those not told yet), so that their
-        I/O runs while this step is used, as the kernel's own readahead does for a
-        sequential read."""
-        with self._lock:
-            first = max(step, self._advised.get((start, stop), step)) + 1
-            last = step + self.READAHEAD_STEPS
-            if self.prefetch_until is not None:
-                last = min(last, self.prefetch_until - 1)
-            if first > last:
-                return
-            self._advised[(start, stop)] = last
-        found = self.index.records(np.concatenate(
-            [np.asarray(self.positions(t, start, stop)) for t in range(first, last + 1)]))
-        for name in self.fields:
-            offsets = self._offsets[name]
-            members = np.searchsorted(offsets, found, side="right") - 1
-            rows = found - offsets[members]
-            for m in np.unique(members).tolist():
-                with self._member(m) as store:
-                    reader = store.direct(self.datasets[name], f"{self.fields_key}.{name}")
-                    if reader is not None:
-                        reader.advise(rows[members == m].tolist())
-
-    def _read_direct(self, value: np.ndarray, name: str, key: str, members: list[int],
-                     rows: list[int], stores: dict[int, Store], records: list[int]
-                     ) -> tuple[list[int], int, int]:
-        """Whole records straight from the files' bytes into `value` (uncompressed HDF5 /
-        NetCDF4: spmd.data.direct_reads; Zarr v3, one record per chunk:
-        spmd.data.zarr_chunks); returns the batch rows left to read otherwise (other
-        layouts, never-written chunks), the bytes read and how many records were not in
-        the page cache."""
-        from spmd.data.direct_reads import ShortRead
-
-        flat = value.reshape(len(rows), -1)
-        by_member: dict[int, list[int]] = {}
-        for i, m in enumerate(members):
-            by_member.setdefault(m, []).append(i)
-        left: list[int] = []
-        done = missed = 0
-        for m, batch_rows in by_member.items():
-            store = stores[m]
-            reader = store.direct(self.datasets[name], key) \
-                if store.get(self.datasets[name], key).dtype == value.dtype else None
-            if reader is None:
-                left += batch_rows
-                continue
-            try:
-                unread, cold = reader.read([rows[i] for i in batch_rows],
-                                           [flat[i] for i in batch_rows])
-            except ShortRead as e:
-                i = batch_rows[e.job]
-                raise self._read_error(name, m, [records[i]], [rows[i]], e) from None
-            except OSError as e:
-                raise self._read_error(name, m, [records[i] for i in batch_rows],
-                                       [rows[i] for i in batch_rows], e) from None
-            left += [batch_rows[k] for k in unread]
-            done += len(batch_rows) - len(unread)
-            missed += cold
-        return sorted(left), done * flat.shape[1] * value.itemsize, missed
-
     def _count_reads(self, reads: list[tuple[str, int, tuple[slice, ...]]], nbytes: int,
                      per_file: collections.Counter[str]) -> None:
         """Add one `rows` call's reads to the counters (thread safe)."""
@@ -413,54 +346,6 @@ class ArraySource:
             self.bytes_read += nbytes
             self.reads_by_file.update(per_file)
             self.last_reads = reads
-
-    def _read_zarr(self, reads: list[tuple[np.ndarray, list[tuple[int, int]], Any,
-                                           tuple[slice, ...], str, int]],
-                   records: list[int]) -> int:
-        """Every Zarr read of one call, [(value, [(batch row, row)], array, index, field,
-        member)], as one orthogonal selection per array and all of them in one round trip
-        to zarr's event loop: the chunks of the whole call are fetched concurrently (a
-        round trip per selection costs more than a 16 KiB chunk). The bytes read."""
-        from zarr.core.sync import sync
-
-        wanted = [sorted({row for _, row in items}) for _, items, *_ in reads]
-
-        async def gather() -> list[Any]:
-            return await asyncio.gather(*(
-                array.async_array.get_orthogonal_selection((np.asarray(rows), *index))
-                for (_, _, array, index, _, _), rows in zip(reads, wanted)),
-                return_exceptions=True)
-
-        nbytes = 0
-        for (value, items, _, _, name, member), rows, got in zip(reads, wanted, sync(gather())):
-            if isinstance(got, OSError | KeyError | RuntimeError | ValueError):
-                raise self._read_error(name, member, [records[i] for i, _ in items],
-                                       [row for _, row in items], got) from None
-            if isinstance(got, BaseException):
-                raise got
-            got = np.asarray(got)
-            at = {row: k for k, row in enumerate(rows)}
-            for i, row in items:
-                value[i] = got[at[row]].reshape(value.shape[1:])
-            nbytes += got.nbytes
-        return nbytes
-
-    def _read_into(self, value: np.ndarray, items: list[tuple[int, int]], array: Any,
-                   fmt: str, index: tuple[slice, ...], name: str, member: int,
-                   records: list[int]) -> int:
-        """Rows `items` ([(batch row, row in the member)]) of `array`, each cut to `index`,
-        into `value`; the bytes read: HDF5 (what direct reads leave) and .npy row by row
-        (h5py: one hyperslab per record is the fastest selection)."""
-        shape = value.shape[1:]
-        nbytes = 0
-        for i, row in items:
-            try:
-                got = np.asarray(array[(row, *index)])
-            except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged chunk
-                raise self._read_error(name, member, [records[i]], [row], e) from None
-            value[i] = got.reshape(shape)
-            nbytes += got.nbytes
-        return nbytes
 
     def _read_error(self, name: str, member: int, records: list[int], rows: list[int],
                     e: Exception) -> ArrayDataError:

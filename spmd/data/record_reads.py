@@ -1,0 +1,152 @@
+"""How ArraySource reads the records of one `rows` call into the batch buffers.
+
+Three paths, tried in this order for each field (spmd.data.arrays holds the rest of the
+source: order, members, checks):
+1. Whole records straight from the files' bytes, where the bytes on disk are the values:
+   uncompressed HDF5 / NetCDF4 (spmd.data.direct_reads: one pread per record) and Zarr v3
+   arrays of one record per chunk (spmd.data.zarr_chunks: one chunk file per record).
+2. Zarr reads left over (slabs, sharded arrays, fill values): one orthogonal selection per
+   array, all of a call's in one round trip to zarr's event loop.
+3. HDF5 (through h5py) and .npy memory maps: one selection per record.
+
+Invariants:
+- The three paths give the same values; which one runs never changes a batch.
+- Every error names the file, the record, the dataset path and the config key
+  (`_read_error` of the source).
+- Readahead: a direct read that missed the page cache makes the source announce the
+  records of the next `READAHEAD_STEPS` steps (rows [start, stop) of each) to the kernel,
+  once each and never at or past `prefetch_until`; reads that hit the cache announce
+  nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from spmd.data.stores import Store
+
+__all__ = ["RecordReads"]
+
+
+class RecordReads:
+    """The reading half of spmd.data.arrays.ArraySource (a mixin: it uses the source's
+    index, members, datasets and errors)."""
+
+    # After a direct read that missed the page cache, the records of this many following
+    # steps are announced to the kernel (posix_fadvise WILLNEED), as its own readahead
+    # does for a sequential read: a cold shuffled read then keeps several steps of I/O
+    # in flight. Nothing is announced while reads hit the cache.
+    READAHEAD_STEPS = 4
+
+    def _read_ahead(self, step: int, start: int, stop: int) -> None:
+        """After a read that missed the page cache: tell the kernel the records of rows
+        [start, stop) of the next READAHEAD_STEPS steps (those not told yet), so that their
+        I/O runs while this step is used, as the kernel's own readahead does for a
+        sequential read."""
+        with self._lock:
+            first = max(step, self._advised.get((start, stop), step)) + 1
+            last = step + self.READAHEAD_STEPS
+            if self.prefetch_until is not None:
+                last = min(last, self.prefetch_until - 1)
+            if first > last:
+                return
+            self._advised[(start, stop)] = last
+        found = self.index.records(np.concatenate(
+            [np.asarray(self.positions(t, start, stop)) for t in range(first, last + 1)]))
+        for name in self.fields:
+            offsets = self._offsets[name]
+            members = np.searchsorted(offsets, found, side="right") - 1
+            rows = found - offsets[members]
+            for m in np.unique(members).tolist():
+                with self._member(m) as store:
+                    reader = store.direct(self.datasets[name], f"{self.fields_key}.{name}")
+                    if reader is not None:
+                        reader.advise(rows[members == m].tolist())
+
+    def _read_direct(self, value: np.ndarray, name: str, key: str, members: list[int],
+                     rows: list[int], stores: dict[int, Store], records: list[int]
+                     ) -> tuple[list[int], int, int]:
+        """Whole records straight from the files' bytes into `value` (uncompressed HDF5 /
+        NetCDF4: spmd.data.direct_reads; Zarr v3, one record per chunk:
+        spmd.data.zarr_chunks); returns the batch rows left to read otherwise (other
+        layouts, never-written chunks), the bytes read and how many records were not in
+        the page cache."""
+        from spmd.data.direct_reads import ShortRead
+
+        flat = value.reshape(len(rows), -1)
+        by_member: dict[int, list[int]] = {}
+        for i, m in enumerate(members):
+            by_member.setdefault(m, []).append(i)
+        left: list[int] = []
+        done = missed = 0
+        for m, batch_rows in by_member.items():
+            store = stores[m]
+            reader = store.direct(self.datasets[name], key) \
+                if store.get(self.datasets[name], key).dtype == value.dtype else None
+            if reader is None:
+                left += batch_rows
+                continue
+            try:
+                unread, cold = reader.read([rows[i] for i in batch_rows],
+                                           [flat[i] for i in batch_rows])
+            except ShortRead as e:
+                i = batch_rows[e.job]
+                raise self._read_error(name, m, [records[i]], [rows[i]], e) from None
+            except OSError as e:
+                raise self._read_error(name, m, [records[i] for i in batch_rows],
+                                       [rows[i] for i in batch_rows], e) from None
+            left += [batch_rows[k] for k in unread]
+            done += len(batch_rows) - len(unread)
+            missed += cold
+        return sorted(left), done * flat.shape[1] * value.itemsize, missed
+
+    def _read_zarr(self, reads: list[tuple[np.ndarray, list[tuple[int, int]], Any,
+                                           tuple[slice, ...], str, int]],
+                   records: list[int]) -> int:
+        """Every Zarr read of one call, [(value, [(batch row, row)], array, index, field,
+        member)], as one orthogonal selection per array and all of them in one round trip
+        to zarr's event loop: the chunks of the whole call are fetched concurrently (a
+        round trip per selection costs more than a 16 KiB chunk). The bytes read."""
+        from zarr.core.sync import sync
+
+        wanted = [sorted({row for _, row in items}) for _, items, *_ in reads]
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(
+                array.async_array.get_orthogonal_selection((np.asarray(rows), *index))
+                for (_, _, array, index, _, _), rows in zip(reads, wanted)),
+                return_exceptions=True)
+
+        nbytes = 0
+        for (value, items, _, _, name, member), rows, got in zip(reads, wanted, sync(gather())):
+            if isinstance(got, OSError | KeyError | RuntimeError | ValueError):
+                raise self._read_error(name, member, [records[i] for i, _ in items],
+                                       [row for _, row in items], got) from None
+            if isinstance(got, BaseException):
+                raise got
+            got = np.asarray(got)
+            at = {row: k for k, row in enumerate(rows)}
+            for i, row in items:
+                value[i] = got[at[row]].reshape(value.shape[1:])
+            nbytes += got.nbytes
+        return nbytes
+
+    def _read_into(self, value: np.ndarray, items: list[tuple[int, int]], array: Any,
+                   fmt: str, index: tuple[slice, ...], name: str, member: int,
+                   records: list[int]) -> int:
+        """Rows `items` ([(batch row, row in the member)]) of `array`, each cut to `index`,
+        into `value`; the bytes read: HDF5 (what direct reads leave) and .npy row by row
+        (h5py: one hyperslab per record is the fastest selection)."""
+        shape = value.shape[1:]
+        nbytes = 0
+        for i, row in items:
+            try:
+                got = np.asarray(array[(row, *index)])
+            except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged chunk
+                raise self._read_error(name, member, [records[i]], [row], e) from None
+            value[i] = got.reshape(shape)
+            nbytes += got.nbytes
+        return nbytes
