@@ -20,6 +20,10 @@ How:
   calls `on_hang(report)` (the trainer records it in run.dir) and SIGKILLs those ranks when
   they run on this host (a stopped process ends on nothing else); (6) every rank ends with
   os._exit(ExitCode.HUNG) (spmd.comm.job_failure.end_process).
+- Every stuck rank is named with its host, also one that posts nothing: each rank posts its
+  host once, right after bootstrap (`publish_host`, under `spmd/job/host/<rank>`), and
+  `start` reads them all (one read: the build's barrier lies between), so the report names
+  the hosts even when the store itself no longer answers.
 - Every call to the key-value store is bounded (`KV_WAIT_S`): when rank 0's process, which
   serves it, is the stuck one, the store does not answer, and the rank says that instead.
 - Rank 0 ends last (spmd.comm.job_failure.end_process), since the store ends with it.
@@ -48,6 +52,7 @@ from spmd.launch import watchdog
 from spmd.launch.env import LaunchEnv
 
 HANG_PREFIX = "spmd/job/hang/"
+HOST_PREFIX = "spmd/job/host/"   # rank -> host, posted once per job (`publish_host`)
 REPORT_KEY = "spmd/job/hang-report"
 AUTO_FLOOR_S = 600.0
 AUTO_FACTOR = 20.0
@@ -67,7 +72,7 @@ class HangReport:
     waited_s: float
     timeout_s: float
     stuck: dict[int, str] = field(default_factory=dict)   # rank -> why (no post / older step)
-    hosts: dict[int, str] = field(default_factory=dict)   # rank -> host, of those that posted
+    hosts: dict[int, str] = field(default_factory=dict)   # rank -> host, of every rank known
 
     def line(self) -> str:
         if self.stuck:
@@ -111,6 +116,7 @@ class StepWatchdog:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self.hosts: dict[int, str] = {env.rank: env.hostname}  # every rank's, read by `start`
 
     @property
     def enabled(self) -> bool:
@@ -123,7 +129,10 @@ class StepWatchdog:
         return automatic_timeout(self._times[-100:])
 
     def start(self, step: int) -> StepWatchdog:
-        """Arm the clock at `step` (the step the loop starts from)."""
+        """Arm the clock at `step` (the step the loop starts from); learn every rank's host
+        (`publish_host`), for a report that names the host of a rank that cannot answer."""
+        if self.enabled and self.env.size > 1:
+            self.hosts.update(read_hosts(KV_WAIT_S))
         self.step, self._last = step, time.monotonic()
         if self.enabled and self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True, name="spmd-hang-watch")
@@ -186,8 +195,8 @@ class StepWatchdog:
 
     def _report(self, step: int, waited: float, timeout: float) -> HangReport | None:
         """Post, wait, and (first rank only) the report; None when another rank made it."""
-        env = self.env
-        me = HangReport(env.rank, step, waited, timeout)
+        env, hosts = self.env, dict(self.hosts)
+        me = HangReport(env.rank, step, waited, timeout, hosts=hosts)
         client = kv_client() if env.size > 1 else None
         if client is None:
             return me
@@ -197,24 +206,50 @@ class StepWatchdog:
         if not posted.ok:
             return HangReport(env.rank, step, waited, timeout, stuck={
                 0: "the jax.distributed coordination service it serves does not answer "
-                   f"({posted.error})"})
+                   f"({posted.error})"}, hosts=hosts)
         grace = self.grace_s if self.grace_s is not None else min(30.0, max(5.0, timeout / 4))
         self._stopped.wait(grace)
         listed = bounded(lambda: client.key_value_dir_get(HANG_PREFIX), KV_WAIT_S)
         if not listed.ok:
             return HangReport(env.rank, step, waited, timeout, stuck={
-                0: f"the jax.distributed coordination service does not answer ({listed.error})"})
+                0: f"the jax.distributed coordination service does not answer ({listed.error})"},
+                hosts=hosts)
         posts = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in listed.value}
         newest = max(p["step"] for p in posts.values())
         stuck = {r: "no answer (stopped, dead, or stuck outside Python)"
                  for r in range(env.size) if r not in posts}
         stuck.update({r: f"last completed step {p['step']}" for r, p in posts.items()
                       if p["step"] < newest})
-        report = HangReport(env.rank, newest, waited, timeout, stuck,
-                            {r: p["host"] for r, p in posts.items()})
+        hosts.update({r: p["host"] for r, p in posts.items()})
+        if any(r not in hosts for r in stuck):  # `start` could not read them all
+            hosts = {**read_hosts(KV_WAIT_S), **hosts}
+        report = HangReport(env.rank, newest, waited, timeout, stuck, hosts)
         claimed = bounded(lambda: client.key_value_set(REPORT_KEY, json.dumps(report.to_dict())),
                           KV_WAIT_S)
         return report if claimed.ok else None  # not ok: another rank reports it
+
+
+def publish_host(env: LaunchEnv) -> bool:
+    """Post this rank's host under `spmd/job/host/<rank>` (once per job, right after
+    bootstrap): a hang report then names the host of a rank that cannot answer. False when
+    there is no store (one process) or it did not take the post."""
+    client = kv_client() if env.size > 1 else None
+    if client is None:
+        return False
+    return bounded(lambda: client.key_value_set(f"{HOST_PREFIX}{env.rank}", env.hostname),
+                   KV_WAIT_S).ok
+
+
+def read_hosts(timeout_s: float) -> dict[int, str]:
+    """{rank: host} of the ranks that posted theirs (`publish_host`); {} when the store does
+    not answer within `timeout_s`."""
+    client = kv_client()
+    if client is None:
+        return {}
+    listed = bounded(lambda: client.key_value_dir_get(HOST_PREFIX), timeout_s)
+    if not listed.ok:
+        return {}
+    return {int(k.rsplit("/", 1)[-1]): str(v) for k, v in listed.value}
 
 
 def dump_stacks() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spmd.config.schema import TrainConfig
@@ -214,6 +215,10 @@ class NonfiniteHook:
     seen ends the run; `skip`: the optimizer left such steps out (spmd.engine.state) and the
     run ends after `train.max_skips` of them in a row. Either way with ExitCode.NONFINITE,
     and the checkpoint hook saves nothing of the stopping step.
+
+    With `skip`, every step folds its `skips_in_a_row` into the longest streak since the last
+    check, on device (`_longer`, dispatched without waiting), so a streak that reached
+    `max_skips` and ended between two checks still stops the run at the next check.
     """
 
     def __init__(self, train: TrainConfig, check_every: tuple[int, ...], events: EventLog):
@@ -221,22 +226,30 @@ class NonfiniteHook:
         self.check_every = tuple(n for n in check_every if n > 0)
         self.events = events
         self.checked = 0                # the last step whose metrics were read
+        self.longest: jax.Array | None = None   # skip: the longest streak since `checked`
         self.stop: Stop | None = None
 
     def start(self, info: StepInfo) -> None:
         self.checked = info.step
 
     def __call__(self, info: StepInfo) -> Stop | None:
+        streak = info.metrics.get("skips_in_a_row") if self.mode == "skip" else None
+        if streak is not None:
+            self.longest = streak if self.longest is None else _longer(self.longest, streak)
         if not (info.final or any(info.step % n == 0 for n in self.check_every)):
             return None
         since, self.checked = self.checked, info.step
         values = info.values
         if self.mode == "skip":
             in_a_row = int(values.get("skips_in_a_row", 0))
-            if in_a_row < self.max_skips:
+            longest = max(in_a_row, int(jax.device_get(self.longest))
+                          if self.longest is not None else 0)
+            self.longest = None
+            if longest < self.max_skips:
                 return None
-            why = (f"{in_a_row} steps in a row had a non-finite loss or gradient norm and were "
-                   f"skipped (train.max_skips={self.max_skips})")
+            within = "" if in_a_row == longest else f" within steps {since + 1}..{info.step}"
+            why = (f"{longest} steps in a row{within} had a non-finite loss or gradient norm "
+                   f"and were skipped (train.max_skips={self.max_skips})")
         else:
             if not values.get("nonfinite"):
                 return None
@@ -251,6 +264,9 @@ class NonfiniteHook:
                          loss=str(values["loss"]), grad_norm=str(values["grad_norm"]))
         self.stop = Stop(reason, exit_code=ExitCode.NONFINITE)
         return self.stop
+
+
+_longer = jax.jit(jnp.maximum)   # two streaks' longer, on device (NonfiniteHook)
 
 
 class CheckpointHook:

@@ -1,9 +1,11 @@
 """The training loop: one rank's view of a run, from bootstrap to the last save.
 
-`Trainer(cfg).run()` bootstraps this rank, restores the newest committed checkpoint (or
-initializes), then loops: one jitted update, then the hooks that are due. Everything
-between updates (preemption, metrics, evaluation, checkpoints, plots, a user's own) is a
-hook added with `add_hook(fn, every=N)`; see spmd.loop.hooks for the calling convention.
+`Trainer(cfg).run()` bootstraps this rank, checks what the config asks of the devices before
+anything is written in run.dir (`check`: a rejected run leaves run.dir as it was), restores
+the newest committed checkpoint (or initializes), then loops: one jitted update, then the
+hooks that are due. Everything between updates (preemption, metrics, evaluation,
+checkpoints, plots, a user's own) is a hook added with `add_hook(fn, every=N)`; see
+spmd.loop.hooks for the calling convention.
 A hook stops the run by returning a `Stop`; the trainer alone turns that into the exit
 status (spmd.errors.ExitCode) and the `stopped` or `preempted` event.
 """
@@ -23,14 +25,17 @@ from typing import NamedTuple
 import jax
 import psutil
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from spmd.checkpoint import Checkpointer, Restored, create_checkpointer
 from spmd.comm import RankGroup, StopVote
-from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog
+from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog, publish_host
 from spmd.comm.job_failure import FailureWatch, announce
 from spmd.config.load import build_task
 from spmd.config.schema import Config
+from spmd.engine.axis_rules import axis_rules
 from spmd.engine.mesh import build_mesh
+from spmd.engine.pipeline_checks import check_grad_accum, check_pipeline
 from spmd.engine.runtime import Runtime, build_runtime
 from spmd.engine.state import TrainState, fill_ema, train_rng
 from spmd.errors import ExitCode, SpmdError
@@ -69,6 +74,13 @@ class Stopped(NamedTuple):
     request: Stop
 
 
+class Checked(NamedTuple):
+    """What `Trainer.check` built before run.dir was touched: the task and the mesh."""
+
+    task: Task
+    mesh: Mesh
+
+
 class Trainer:
     """Trains `cfg` (its task, or `task`) on every device of every rank of the job."""
 
@@ -78,6 +90,7 @@ class Trainer:
         self.exit_code: int = ExitCode.OK  # set by `fit` from how the run ended
         self._user_hooks: list[Hook] = []
         self._hang: StepWatchdog | None = None  # armed by `fit` for its loop
+        self._checked: Checked | None = None    # `check`'s task and mesh, for `build`
 
     def add_hook(self, fn: HookFn, *, every: int = 1, name: str = "") -> Hook:
         """Call `fn(StepInfo)` after every `every`-th update and at the run's last step.
@@ -98,14 +111,18 @@ class Trainer:
         env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                         heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
         run_dir = Path(cfg.run.dir)
-        lease, events, failed = None, None, False
+        lease, events, failed, own_log = None, None, False, False
         failures = FailureWatch(env).start()  # another rank's error ends this one at once
+        publish_host(env)  # a hang report names the host of a rank that cannot answer
         try:
+            # A run rejected for its config leaves run.dir as it was (or absent): checked first.
+            self._checked = self.check(env)
             # One writer per run.dir: rank 0 leases it before writing there; refused: all exit 2.
             lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
                                      cfg.launch.barrier_timeout_s)
             run_dir.mkdir(parents=True, exist_ok=True)
             setup_logging(run_dir, env.rank, debug)
+            own_log = True
             if cfg.run.compilation_cache is not None:
                 use_compilation_cache(cfg.run.compilation_cache)
             events = EventLog(run_dir / "events.jsonl", env.rank)
@@ -120,7 +137,12 @@ class Trainer:
         except BaseException as e:
             failed = True
             error = failure_line(e)
-            if isinstance(e, SpmdError | KeyboardInterrupt):
+            if isinstance(e, SpmdError) and env.size == 1:
+                # one process: its caller shows the error (`spmd train: error: ...`, or the
+                # exception), once; this run's log file, if it has one yet, keeps it too
+                if own_log:
+                    log_to_files(log, logging.ERROR, "%s: %s", env.who, error)
+            elif isinstance(e, SpmdError | KeyboardInterrupt):
                 log.error("%s: %s", env.who, error)
             else:
                 log.error("%s failed: %s", env.who, error, exc_info=True)
@@ -141,14 +163,29 @@ class Trainer:
             if events is not None:
                 events.close()
 
+    def check(self, env: LaunchEnv) -> Checked:
+        """What can be checked before anything is read or written in run.dir, raising the
+        error that names the config key: the task resolves, `mesh.axes` fits the devices,
+        the rule table (`mesh.rules`, the task's own rules, `mesh.axis_aliases`), the
+        pipeline and gradient-accumulation settings against the mesh. A run rejected here
+        leaves run.dir untouched, or not created (the lease, the logs and the events come
+        after). What needs the task's data or the model (`build`) is checked after."""
+        cfg = self.cfg
+        task = self.task or build_task(cfg)
+        mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
+        rules = axis_rules(cfg.mesh, task)
+        check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
+        check_grad_accum(cfg.train, rules, mesh)
+        return Checked(task, mesh)
+
     def build(self, env: LaunchEnv) -> Runtime:
         """The task's one-time preparation (rank 0), then every sharding and jitted step."""
-        task = self.task or build_task(self.cfg)
+        checked = self._checked or self.check(env)
+        task = checked.task
         task.prepare(env.rank == 0)
         if env.size > 1:
             multihost_utils.sync_global_devices("spmd:task-prepared")
-        mesh = build_mesh(self.cfg.mesh, jax.devices(), env.node_of_rank)
-        rt = build_runtime(self.cfg, mesh, task)
+        rt = build_runtime(self.cfg, checked.mesh, task)
         shape = {k: v for k, v in rt.mesh.shape.items() if v > 1}
         log.info("task %s; mesh %s over %d devices, %d processes; params %s B total, %s B "
                  "per device", self.cfg.task, shape or "(all axes 1)", rt.mesh.size, env.size,
@@ -361,6 +398,14 @@ def record_hang(run_dir: Path, events: EventLog, report: HangReport) -> None:
     events.record("hung", **report.to_dict(), exit_code=int(ExitCode.HUNG))
     (run_dir / HUNG_FILE_NAME).write_text(json.dumps({"line": report.line(),
                                                       **report.to_dict()}) + "\n")
+
+
+def log_to_files(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
+    """`logger.log(level, msg, *args)` into this rank's log files only (not stderr)."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, msg, args, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
 
 
 def use_compilation_cache(path: Path) -> None:

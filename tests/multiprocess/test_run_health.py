@@ -1,6 +1,6 @@
 """Run health with real ranks under `spmd run -n 2` (2 ranks x 1 CPU device, the tiny MLP):
-an error on one rank ends every rank at once and is shown; a stopped rank is named by the
-hang watchdog and the job exits HUNG; SIGTERM to `spmd run` ends even a stuck rank.
+an error on one rank ends every rank at once and is shown; a stopped rank is named, with its
+host, by the hang watchdog and the job exits HUNG; SIGTERM to `spmd run` ends even a stuck rank.
 """
 
 from __future__ import annotations
@@ -99,10 +99,12 @@ def test_a_stopped_rank_is_named_the_job_exits_hung_and_a_rerun_resumes_bit_iden
         kill_tagged(tag)
     assert proc.returncode == 76, err[-3000:]                  # ExitCode.HUNG
     assert seconds < 4 + 30, f"{seconds:.0f} s"
-    assert "ranks that did not reach step" in err and "rank 1: no answer" in err
+    # named with its host, though it posted nothing (its host was posted at bootstrap)
+    assert "ranks that did not reach step" in err and f"rank 1 on {_host()}: no answer" in err
     assert f"killed rank 1 (pid {rank1}" in err
     hung = json.loads((run_dir / "HUNG").read_text())
     assert hung["stuck"] == {"1": "no answer (stopped, dead, or stuck outside Python)"}
+    assert hung["hosts"]["1"] == _host()
     log0 = (run_dir / "logs" / "rank00000.log").read_text()
     assert "no training step completed for" in log0 and "Current thread" in log0  # stacks
     assert not left

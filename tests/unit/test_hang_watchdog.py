@@ -4,10 +4,12 @@ stopped rank named and killed, is tests/multiprocess/test_run_health.py)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
-from spmd.comm.hang_watchdog import HangReport, StepWatchdog, automatic_timeout
+from spmd.comm import hang_watchdog
+from spmd.comm.hang_watchdog import HangReport, StepWatchdog, automatic_timeout, publish_host
 from spmd.config.schema import Config
 from spmd.errors import ExitCode
 from spmd.launch.env import LaunchEnv
@@ -77,3 +79,48 @@ def test_the_report_names_the_ranks_that_did_not_reach_the_step(stuck, expected)
     assert expected in line
     assert "launch.step_timeout_s=10" in line and f"status {ExitCode.HUNG:d}" in line
     assert report.to_dict()["stuck"] == {str(k): v for k, v in stuck.items()}
+
+
+class Store:
+    """The jax.distributed key-value calls the watchdog makes, in memory; `answers=False`:
+    the store is gone (its rank 0 is the stopped one)."""
+
+    def __init__(self):
+        self.kv: dict[str, str] = {}
+        self.answers = True
+
+    def key_value_set(self, key: str, value: str) -> None:
+        if not self.answers:
+            raise RuntimeError("UNAVAILABLE: failed to connect")
+        if key in self.kv:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        if not self.answers:
+            raise RuntimeError("UNAVAILABLE: failed to connect")
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def test_a_rank_that_posts_nothing_is_named_with_its_host(monkeypatch):
+    """Every rank posts its host at bootstrap; the report names the host of a rank that
+    never answers (SIGSTOP), and of rank 0 when the store it serves is gone."""
+    store = Store()
+    monkeypatch.setattr(hang_watchdog, "kv_client", lambda: store)
+    envs = [replace(ENV, rank=r, size=2, hostname=f"nid00{r + 1}") for r in range(2)]
+    assert all(publish_host(env) for env in envs)
+    dogs = [StepWatchdog(env, 30, grace_s=0).start(7) for env in envs]
+    try:
+        report = dogs[0]._report(7, 31.0, 30)   # rank 1 is stopped: it posts no step
+        assert report is not None and report.stuck == {
+            1: "no answer (stopped, dead, or stuck outside Python)"}
+        assert "rank 1 on nid002: no answer" in report.line()
+        assert report.to_dict()["hosts"]["1"] == "nid002"
+
+        store.answers = False                   # rank 0, which serves the store, is stopped
+        report = dogs[1]._report(7, 31.0, 30)
+        assert report is not None and list(report.stuck) == [0]
+        assert "rank 0 on nid001: the jax.distributed coordination service" in report.line()
+    finally:
+        for dog in dogs:
+            dog.stop()

@@ -1,7 +1,8 @@
 """Non-finite values (issue 23, item 4 and fault 5b): `train.nonfinite: stop` ends the run
 with status 65 and one line naming the step, loss and gradient norm, before any checkpoint of
-the non-finite state; `skip` leaves the parameters unchanged for a bad step and goes on, and
-stops after `train.max_skips` bad steps in a row."""
+the non-finite state (also for a learning rate that diverges, after which `spmd ckpt verify`
+passes); `skip` leaves the parameters unchanged for a bad step and goes on, and stops after
+`train.max_skips` bad steps in a row, also when the streak ended between two checks."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from spmd.config.load import with_overrides
 from spmd.errors import ExitCode
 from spmd.loop.hooks import StepInfo
 from spmd.tasks.regression import RegressionTask
+from tests.helpers.env import REPO, clean_env, run_spmd
 from tests.helpers.records import read_jsonl
 from tests.helpers.training import mlp_config
 
@@ -30,14 +32,15 @@ BAD_STEP = 3  # the batch of update 3 (data step 2) holds a NaN
 
 
 class BadBatch:
-    """The task's own source, except for one NaN in the batch of data step BAD_STEP - 1."""
+    """The task's own source, except for one NaN in the batch of each data step in `bad`
+    (by default BAD_STEP - 1)."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, bad: range = range(BAD_STEP - 1, BAD_STEP)):
+        self.inner, self.bad = inner, bad
 
     def rows(self, step, start, stop):
         rows = self.inner.rows(step, start, stop)
-        if step == BAD_STEP - 1 and start == 0:
+        if step in self.bad and start == 0:
             first = next(iter(rows))
             rows[first] = rows[first].copy()
             rows[first].flat[0] = np.nan
@@ -47,6 +50,14 @@ class BadBatch:
 class BadBatchTask(RegressionTask):
     def train_source(self):
         return BadBatch(super().train_source())
+
+
+STREAK = range(1, 4)  # the batches of updates 2, 3 and 4 hold a NaN: 3 skips in a row
+
+
+class BadStreakTask(RegressionTask):
+    def train_source(self):
+        return BadBatch(super().train_source(), STREAK)
 
 
 def config(run_dir, **train) -> dict:
@@ -112,4 +123,48 @@ def test_skip_stops_after_max_skips_in_a_row(run_dir):
     stopped = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stopped"][-1]
     assert "2 steps in a row" in stopped["reason"] and "train.max_skips=2" in stopped["reason"]
     newest = spmd.load(run_dir)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(newest.params))
+
+
+def test_skip_stops_at_the_next_check_after_a_streak_that_ended_between_checks(run_dir):
+    """max_skips=2, checks at steps 8 and 10 only: the 3 skips of steps 2..4 end long
+    before step 8, where the current streak is 0; the longest since step 0 stops the run."""
+    cfg = with_overrides(
+        {**config(run_dir, nonfinite="skip", max_skips=2),
+         "task": "tests.unit.test_nonfinite:BadStreakTask"},
+        ["train.steps=10", "run.log_every=8", "checkpoint.every=0",
+         "checkpoint.persistent_every=0"])
+    assert spmd.train(cfg, task=BadStreakTask) == ExitCode.NONFINITE
+    events = read_jsonl(run_dir / "events.jsonl")
+    stopped = [e for e in events if e["event"] == "stopped"][-1]
+    assert (stopped["step"], stopped["exit_code"]) == (8, ExitCode.NONFINITE)
+    assert "3 steps in a row within steps 1..8" in stopped["reason"], stopped["reason"]
+    assert "train.max_skips=2" in stopped["reason"]
+    records = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+    assert records[8]["skips"] == 3 and records[8]["skips_in_a_row"] == 0
+    assert scan_persistent(run_dir / "checkpoints") == []   # nothing of the stopping step
+
+
+def test_a_diverging_learning_rate_stops_with_one_line_and_ckpt_verify_passes(tmp_path):
+    """The acceptance's scenario through the CLI: `optimizer.lr=1e6` with the default
+    `train.nonfinite: stop`; then `spmd ckpt verify` on the run passes and the newest
+    checkpoint is finite."""
+    run_dir = tmp_path / "run"
+    env = clean_env(JAX_NUM_CPU_DEVICES="1")
+    r = run_spmd("train", str(REPO / "configs" / "mlp_tiny.yaml"), f"run.dir={run_dir}",
+                 "optimizer.lr=1e6", "train.steps=20", "checkpoint.every=1",
+                 "checkpoint.persistent_every=1", "checkpoint.keep=3", "run.progress=false",
+                 "run.plots=false", env=env)
+    assert r.returncode == ExitCode.NONFINITE, r.stderr[-3000:]
+    named = [x for x in r.stderr.splitlines() if "stopping: non-finite loss or gradient norm"
+             in x]
+    assert len(named) == 1, r.stderr[-3000:]
+    step = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stopped"][-1]
+    assert f"at step {step['step']} (train.nonfinite=stop)" in named[0]
+    assert "optimizer.lr" in named[0] and "Traceback" not in r.stderr
+    verified = run_spmd("ckpt", "verify", str(run_dir), env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "NON-FINITE" not in verified.stdout + verified.stderr
+    newest = spmd.load(run_dir)
+    assert 0 < newest.step < step["step"]
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(newest.params))

@@ -1,11 +1,13 @@
 """Bad storage (issue 23, faults 5c, 5e, 5f): a run.dir that is a file or cannot be written,
 and a damaged HDF5 data file, are named in one line instead of a traceback; a rejected run
-rewrites nothing; an intact Orbax step whose manifest is truncated is kept (and named)
-rather than deleted; the persistent tier holds exactly `checkpoint.keep` steps."""
+writes nothing in run.dir (nor creates it) and says so once; an intact Orbax step whose
+manifest is truncated is kept (and named) rather than deleted; the persistent tier holds
+exactly `checkpoint.keep` steps."""
 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -58,13 +60,34 @@ def test_an_unwritable_run_dir_is_named_in_one_line(tmp_path):
     assert f"run.dir={locked / 'run'} cannot be written" in line, line
 
 
-def test_a_rejected_run_leaves_the_runs_config_as_it_was(run_dir):
+def snapshot(root: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every path under `root`, and `root` itself: its bytes (None: a directory) and mtime."""
+    return {str(path.relative_to(root)): (None if path.is_dir() else path.read_bytes(),
+                                          path.stat().st_mtime_ns)
+            for path in [root, *sorted(root.rglob("*"))]}
+
+
+def test_a_rejected_run_leaves_an_existing_run_dir_as_it_was(run_dir):
+    """Validated before anything is written (5c): config.yaml, lease.json, logs/,
+    events.jsonl and the checkpoints keep their bytes and mtimes."""
     base = mlp_config(run_dir, steps=2)
     assert spmd.train(base) == 0
-    before = (run_dir / "config.yaml").read_bytes()
+    before = snapshot(run_dir)
+    assert {"config.yaml", "events.jsonl", "logs/rank00000.log"} <= set(before)
     with pytest.raises(ConfigError, match="mesh.axes"):
         spmd.train(with_overrides(base, ["mesh.axes.data=3", "train.steps=4"]))
-    assert (run_dir / "config.yaml").read_bytes() == before
+    assert snapshot(run_dir) == before
+
+
+def test_a_run_rejected_for_its_mesh_creates_no_run_dir_and_says_so_once(tmp_path):
+    fresh = tmp_path / "fresh"
+    r = run_spmd("train", MLP, f"run.dir={fresh}", "mesh.axes.data=3", *QUIET, cwd=REPO,
+                 env=clean_env(JAX_NUM_CPU_DEVICES="2"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert not fresh.exists()
+    error = "mesh.axes: sizes (data=3) multiply to 3 but there are 2 devices"
+    assert error in one_line_error(r)
+    assert r.stderr.count(error) == 1, r.stderr[-3000:]   # not also as a log line
 
 
 def test_a_truncated_manifest_keeps_its_step_and_names_it(run_dir):
