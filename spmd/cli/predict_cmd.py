@@ -1,6 +1,7 @@
-"""`spmd predict PATH --input FILE --output FILE [--rollout N] [--split test] [...]`: a run's
-model over every example of a data file, written to HDF5 (spmd.inference.prediction); one
-process, or every rank under `spmd run -n N --entry predict PATH -- --input ...`."""
+"""`spmd predict PATH --input FILE --output OUT [--format hdf5|zarr] [--rollout N] [...]`: a
+run's model over every example of a data file, written to HDF5 or, for an OUT ending in
+.zarr (or --format zarr), a Zarr v3 store (spmd.inference.prediction); one process, or every
+rank under `spmd run -n N --entry predict PATH -- --input ...`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from spmd.cli.trained_args import add_overrides_argument, add_trained_run_argume
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="predict with a run's trained model over a data file")
     add_trained_run_arguments(p)
-    p.add_argument("--input", required=True, help="data file (HDF5, or a directory of .npy)")
-    p.add_argument("--output", required=True, help="HDF5 file to write (dataset 'prediction')")
+    p.add_argument("--input", required=True,
+                   help="data file (HDF5, NetCDF4, a Zarr store or a directory of .npy)")
+    p.add_argument("--output", required=True,
+                   help="HDF5 file, or Zarr store for a name ending in .zarr, to write "
+                        "(dataset 'prediction')")
+    p.add_argument("--format", default=None, metavar="{hdf5,zarr}",
+                   help="output format (default: zarr for an --output ending in .zarr, "
+                        "else hdf5)")
     p.add_argument("--rollout", type=int, default=1, metavar="N",
                    help="feed predictions back as input for N steps, keeping every step")
     p.add_argument("--split", default="test",
@@ -27,13 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spmd.inference.loading import trained_job
+    from spmd.inference.outputs import output_format
     from spmd.inference.prediction import predict_file
 
+    output_format(args.output, args.format)   # a wrong --format fails before any loading
     with trained_job(args.path, args.step, args.overrides) as (trained, env):
         done = predict_file(trained, args.input, args.output, split=args.split,
                             dataset=args.dataset, rollout=args.rollout,
-                            batch_size=args.batch_size)
+                            batch_size=args.batch_size, format=args.format)
     if env.rank == 0:
-        print(f"wrote {done.output}: prediction {done.shape} from {done.input}:{done.dataset} "
-              f"({trained.source}) in {done.seconds:.1f} s")
+        print(f"wrote {done.output} ({done.format}): prediction {done.shape} from "
+              f"{done.input}:{done.dataset} ({trained.source}) in {done.seconds:.1f} s")
     return 0

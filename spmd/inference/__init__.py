@@ -2,10 +2,11 @@
 
 Owns `spmd.load` and the `Trained` it returns (`loading`), evaluation of a split with the
 trained parameters (`evaluation`), batched and autoregressive prediction over a data file
-(`prediction`) and the StableHLO export (`exporting`). May import `spmd.checkpoint` (the
-parameters reader), `spmd.engine`, `spmd.loop` (the evaluation the trainer runs, so that
-`spmd eval` reproduces it), `spmd.config`, `spmd.tasks`, `spmd.data`, `spmd.sharding`,
-`spmd.launch` and `spmd.errors`; the CLI and the public API import it.
+(`prediction`), written to an HDF5 file or a Zarr store (`outputs`), and the StableHLO
+export (`exporting`). May import `spmd.checkpoint` (the parameters reader), `spmd.engine`,
+`spmd.loop` (the evaluation the trainer runs, so that `spmd eval` reproduces it),
+`spmd.config`, `spmd.tasks`, `spmd.data`, `spmd.sharding`, `spmd.launch` and
+`spmd.errors`; the CLI and the public API import it.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ device of the job exactly as in training (under `spatial` a process reads and ho
 its slab of a field). `Task.predict` maps a batch to the prediction, the model in eval mode
 (`model.eval()`: no dropout). With `rollout` N > 1
 each prediction is fed back as the next input (a surrogate stepping in time), and every
-step is kept. Process 0 writes the predictions to an HDF5 file, under a temporary name
-renamed into place when complete:
+step is kept. Process 0 writes the predictions to an HDF5 file or a Zarr v3 store (`format`,
+default from the output's name: `.zarr` is Zarr), batch by batch into an array created with
+its full shape, under a temporary name renamed into place when complete
+(spmd.inference.outputs). Either format holds the same layout and attributes:
 
     prediction   (examples, *field)            rollout 1
                  (examples, steps, *field)     rollout N > 1: step k is k + 1 model steps on
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +34,11 @@ from spmd.data.feed import BatchFeed
 from spmd.engine.pipeline_checks import check_pipeline
 from spmd.errors import SpmdError
 from spmd.inference.loading import Trained
+from spmd.inference.outputs import open_output, output_format
 from spmd.sharding import activation_sharding
 from spmd.sharding.pipeline import pipeline_schedule
 
 log = logging.getLogger("spmd.inference")
-
-OUTPUT_DATASET = "prediction"
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class PredictionSummary:
     rollout: int
     shape: tuple[int, ...]      # of the output dataset
     seconds: float
+    format: str                 # of the output: hdf5 | zarr
 
 
 def input_source(trained: Trained, path: Path, split: str, dataset: str | None,
@@ -81,10 +82,13 @@ def input_source(trained: Trained, path: Path, split: str, dataset: str | None,
 
 def predict_file(trained: Trained, input_path: str | Path, output_path: str | Path, *,
                  split: str = "test", dataset: str | None = None, rollout: int = 1,
-                 batch_size: int | None = None) -> PredictionSummary:
-    """Predict every example of `input_path` on `trained.mesh`; process 0 writes the file."""
+                 batch_size: int | None = None, format: str | None = None
+                 ) -> PredictionSummary:
+    """Predict every example of `input_path` on `trained.mesh`; process 0 writes the output
+    (`format` hdf5 or zarr; default: zarr for an output path ending in .zarr, else hdf5)."""
     if rollout < 1:
         raise SpmdError(f"--rollout {rollout}: give 1 or more steps")
+    kind = output_format(Path(output_path), format)
     started = time.perf_counter()
     task, cfg, mesh, rules = trained.task, trained.config, trained.mesh, trained.rules
     input_path, output_path = Path(input_path), Path(output_path)
@@ -111,7 +115,8 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
                         f"{tuple(out.shape)}; use --rollout 1 for this task")
     step = jax.jit(predict, out_shardings=in_sharding if feeds_back else None)
     shape = (count, *((rollout,) if rollout > 1 else ()), *out.shape[1:])
-    writer = _Writer(output_path, shape, np.dtype(out.dtype), jax.process_index() == 0)
+    writer = open_output(output_path, kind, shape, np.dtype(out.dtype),
+                         enabled=jax.process_index() == 0)
     try:
         for b in range(math.ceil(count / batch)):
             rows = min(batch, count - b * batch)
@@ -129,49 +134,7 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
         writer.close()
         source.close()
     seconds = time.perf_counter() - started
-    log.info("predicted %d examples x %d step(s) of %s in %.1f s -> %s", count, rollout,
-             found, seconds, output_path)
-    return PredictionSummary(output_path, input_path, found, count, rollout, shape, seconds)
-
-
-class _Writer:
-    """The output file of process 0 (other processes write nothing): tmp name, then rename."""
-
-    def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype, enabled: bool):
-        self.path, self.enabled, self._file = path, enabled, None
-        self.tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        if not enabled:
-            return
-        import h5py
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._file = h5py.File(self.tmp, "w")
-        except OSError as e:
-            raise SpmdError(f"--output {path}: cannot write {self.tmp}: {e}") from e
-        chunk = (1, *shape[1:])
-        self.data = self._file.create_dataset(OUTPUT_DATASET, shape=shape, dtype=dtype,
-                                              chunks=chunk)
-
-    def write(self, start: int, step: int | None, values: np.ndarray) -> None:
-        if self._file is None:
-            return
-        rows = slice(start, start + len(values))
-        if step is None:
-            self.data[rows] = values
-        else:
-            self.data[rows, step] = values
-
-    def commit(self, attrs: dict) -> None:
-        if self._file is None:
-            return
-        self.data.attrs.update(attrs)
-        self._file.close()
-        self._file = None
-        os.replace(self.tmp, self.path)
-
-    def close(self) -> None:
-        if self._file is not None:  # not committed: an error on the way
-            self._file.close()
-            self._file = None
-            self.tmp.unlink(missing_ok=True)
+    log.info("predicted %d examples x %d step(s) of %s in %.1f s -> %s (%s)", count,
+             rollout, found, seconds, output_path, kind)
+    return PredictionSummary(output_path, input_path, found, count, rollout, shape, seconds,
+                             kind)

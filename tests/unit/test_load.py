@@ -1,9 +1,13 @@
-"""`spmd.load`: a finished run's parameters back, bit for bit, from either tier and from
-checkpoints written before the persistent tier split its items; `checkpoint.final` makes a
-run with no checkpoint schedule loadable; bad paths, steps and bytes are named."""
+"""`spmd.load`: a finished run's parameters back, bit for bit, from either tier (by default
+the newest step of both, a local step newer than every persistent one included) and from
+checkpoints written before the persistent tier split its items; the `params` item alone
+suffices (no optimizer state is read), for spmd.load and for the documented plain-Orbax
+snippet onto a sharding over 8 devices; `checkpoint.final` makes a run with no checkpoint
+schedule loadable; bad paths, steps and bytes are named."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -13,9 +17,11 @@ import pytest
 
 import spmd
 from spmd.checkpoint import CheckpointError
+from spmd.checkpoint.persistent import MANIFEST
 from spmd.errors import SpmdError
 from spmd.inference import run_mesh
 from spmd.loop.hooks import StepInfo
+from tests.helpers.env import REPO
 from tests.helpers.records import read_jsonl
 from tests.helpers.training import mlp_config
 
@@ -85,6 +91,60 @@ def test_both_tiers_and_each_step_load_the_same_bytes(run_dir):
     assert not same_bytes(older.params, final)
     with pytest.raises(CheckpointError, match=r"no committed checkpoint of step 3.*\[2, 4\]"):
         spmd.load(run_dir, step=3)
+
+
+def test_by_default_a_local_step_newer_than_every_persistent_step_is_loaded(run_dir):
+    final = train_and_keep_final_params(mlp_config(
+        run_dir, steps=3, mesh={"strategy": "fsdp"},
+        checkpoint={"every": 1, "persistent_every": 2}))   # local 2, 3; persistent 2, 3
+    # the persistent save of step 3 never committed (the job died while Orbax wrote it):
+    (run_dir / "checkpoints" / "3" / MANIFEST).unlink()
+    assert (run_dir / "local" / "3").is_dir() and (run_dir / "checkpoints" / "2").is_dir()
+    newest = spmd.load(run_dir)                       # no step=: local 3 beats persistent 2
+    assert newest.step == 3 and "local" in newest.source
+    assert same_bytes(newest.params, final)
+    older = spmd.load(run_dir, step=2)                # in both tiers: the persistent one
+    assert older.step == 2 and "persistent" in older.source
+    assert not same_bytes(older.params, final)
+
+
+def orbax_snippet() -> str:
+    """The plain-Orbax snippet of docs/checkpointing.md, extracted as test_main_job does."""
+    text = (REPO / "docs" / "checkpointing.md").read_text()
+    block = text.split("### Reading a persistent checkpoint with plain Orbax", 1)[1]
+    return re.search(r"```python\n(.+?)\n```", block, re.S).group(1)
+
+
+ONE_DEVICE = "device = jax.sharding.SingleDeviceSharding(jax.devices()[0])"
+
+
+def test_the_params_item_alone_loads_without_optimizer_state_also_with_plain_orbax(run_dir):
+    """No optimizer state is read: with the step's `train_state` item deleted, spmd.load
+    and the docs' plain-Orbax snippet, given a NamedSharding over the 8 devices as the docs
+    say it may be, read the same bytes as the run's final parameters."""
+    final = train_and_keep_final_params(fsdp_config(run_dir))
+    step_dir = run_dir / "checkpoints" / "4"
+    shutil.rmtree(step_dir / "train_state")           # the optimizer state (and the rest)
+    trained = spmd.load(run_dir)
+    assert trained.step == 4 and "persistent" in trained.source
+    assert same_bytes(trained.params, final)
+
+    snippet = orbax_snippet()
+    assert ONE_DEVICE in snippet and 'step_dir = "runs/fno_darcy/checkpoints/300"' in snippet
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    assert mesh.size == 8
+    snippet = snippet.replace(ONE_DEVICE, "device = jax.sharding.NamedSharding(mesh, "
+                                          "jax.sharding.PartitionSpec('x'))")
+    snippet = snippet.replace("runs/fno_darcy/checkpoints/300", str(step_dir))
+    scope: dict = {"mesh": mesh}
+    exec(compile(snippet, "docs/checkpointing.md (plain Orbax)", "exec"), scope)
+    params = scope["params"]   # Orbax's pure dict: keys as strings ('0' for nnx.List's 0)
+    assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)] \
+        == [jax.tree_util.keystr(p).replace("[0]", "['0']")
+            for p, _ in jax.tree_util.tree_leaves_with_path(trained.params)]
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(params)} == {8}
+    assert all(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
+    assert same_bytes(params, final)
 
 
 def test_onto_a_mesh_the_parameters_are_sharded_by_the_runs_rules(run_dir):
