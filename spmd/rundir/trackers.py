@@ -7,13 +7,22 @@ hyper-parameters once. metrics.jsonl stays the source of truth and is always wri
 rank 0 creates trackers (spmd.loop.builtin_hooks.MetricsHook).
 
 Compute nodes have no internet, so everything writes to files under run.dir:
-- tensorboard: tensorboardX event files in run.dir/tensorboard (`tensorboard --logdir`).
+- tensorboard: tensorboardX event files in run.dir/tensorboard (`tensorboard --logdir`),
+  one per process that wrote: events.out.tfevents.<time>.<host>.<pid>, so that two
+  processes on one host in the same second (a fast requeue) never truncate each other's.
 - wandb: W&B's offline mode (unless WANDB_MODE says otherwise) in run.dir/wandb; upload
   later from a login node with `wandb sync RUN_DIR/wandb/offline-run-*`.
 - mlflow: MLflow's file store in run.dir/mlruns (unless MLFLOW_TRACKING_URI is set);
-  `mlflow ui --backend-store-uri RUN_DIR/mlruns`.
+  `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri RUN_DIR/mlruns`. MLflow 3 keeps
+  that store in "maintenance mode" and refuses it unless MLFLOW_ALLOW_FILE_STORE=true; it is
+  the one store that needs neither a server nor a database driver (mlflow-skinny has none),
+  so the tracker sets that variable for this process unless the user set it (a user's
+  `false` is kept, and then the tracker does not start).
 Each library is imported only when its tracker is made: a missing extra is one error that
-names `run.trackers` and the pip extra to install.
+names `run.trackers` and the pip extra to install; a tracker that fails to start for any
+other reason is one error (spmd.errors.SpmdError) that names `run.trackers`, the tracker,
+the library's first line and what to set, never a raw traceback, and the trackers already
+started are closed.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import importlib
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -34,6 +43,17 @@ from spmd.errors import SpmdError
 NOT_SCALARS = frozenset({"step", "time"})
 EXTRAS = {"tensorboard": ("tensorboardX", "spmd-hpc"), "wandb": ("wandb", "spmd-hpc[wandb]"),
           "mlflow": ("mlflow", "spmd-hpc[mlflow]")}
+# What to check or set when a tracker's library is installed but the tracker fails to start.
+HINTS = {
+    "tensorboard": "check that RUN_DIR/tensorboard can be written",
+    "wandb": "W&B writes offline to run.dir/wandb unless WANDB_MODE says otherwise: unset "
+             "WANDB_MODE or set WANDB_MODE=offline (online needs internet and `wandb login`)",
+    "mlflow": "the default store, run.dir/mlruns, needs MLFLOW_ALLOW_FILE_STORE=true with "
+              "MLflow 3 (spmd sets it unless you set it yourself); or set MLFLOW_TRACKING_URI "
+              "to a store this node can reach",
+}
+# MLflow >= 3 opens a file store (`file:` URI or a path) only with this variable true.
+MLFLOW_FILE_STORE_VAR = "MLFLOW_ALLOW_FILE_STORE"
 
 
 class Tracker(Protocol):
@@ -84,8 +104,11 @@ class TensorBoardTracker:
 
         self._summary = Summary
         self.logdir = run_dir / "tensorboard"
-        # flush_secs: a killed job loses at most this much of its TensorBoard curves
-        self.writer = tbx.SummaryWriter(logdir=str(self.logdir), flush_secs=10)
+        # flush_secs: a killed job loses at most this much of its TensorBoard curves;
+        # tensorboardX names a file <time to the second>.<host> and opens it "wb": the pid
+        # keeps two processes' files apart
+        self.writer = tbx.SummaryWriter(logdir=str(self.logdir), flush_secs=10,
+                                        filename_suffix=f".{os.getpid()}")
         for summary in hparams_summary(dict(hparams), {}):
             self.writer.file_writer.add_summary(summary)
         if config_text:
@@ -125,9 +148,16 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """An MLflow run per job in the file store run.dir/mlruns (or MLFLOW_TRACKING_URI)."""
+    """An MLflow run per job in the file store run.dir/mlruns (or MLFLOW_TRACKING_URI).
+
+    Sets MLFLOW_ALLOW_FILE_STORE=true for this process before importing mlflow, unless the
+    user set it: MLflow 3 refuses a file store without it (MLflow 2 ignores it)."""
 
     def __init__(self, run_dir: Path, hparams: Mapping[str, Any]):
+        os.environ.setdefault(MLFLOW_FILE_STORE_VAR, "true")
+        # MLflow 3 sends usage telemetry: on a compute node with no internet each try
+        # waits for its timeout. Off unless the user says otherwise.
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         _require("mlflow")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
@@ -167,4 +197,31 @@ def create_trackers(names: list[str], run_dir: Path, config: Mapping[str, Any],
     if unknown:
         raise SpmdError(f"run.trackers: unknown tracker(s) {unknown}; choose from "
                         f"{sorted(makers)}")
-    return [makers[name]() for name in dict.fromkeys(names)]
+    made: list[Tracker] = []
+    try:
+        for name in dict.fromkeys(names):
+            made.append(_start(name, makers[name]))
+    except BaseException:
+        for tracker in made:   # started before the one that failed: leave nothing open
+            try:
+                tracker.close()
+            except Exception:
+                pass
+        raise
+    return made
+
+
+def _start(name: str, make: Callable[[], Tracker]) -> Tracker:
+    """make(), with any failure but a missing extra turned into one line that names the
+    tracker, the library's own first line and what to set (HINTS)."""
+    try:
+        return make()
+    except SpmdError:
+        raise
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        line = lines[0] if lines else ""
+        line = line if len(line) <= 240 else line[:240] + "..."
+        first = f"{type(e).__name__}: {line}" if line else type(e).__name__
+        raise SpmdError(f"run.trackers: the {name} tracker did not start ({first}); "
+                        f"{HINTS[name]}") from e

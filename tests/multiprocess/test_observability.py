@@ -1,6 +1,8 @@
 """Seeing inside real 2-rank runs: a profiler trace that `spmd profile` reads, TensorBoard
-event files with the right tags and steps, and `spmd report`'s ledger over four jobs (two
-preemptions by signal, a kill -9 of every process of the job, a rerun that finishes)."""
+event files with the right tags and steps and the resolved config as hyper-parameters,
+written by rank 0 alone, and `spmd report`'s ledger over four jobs (two preemptions by
+signal, a kill -9 of every process of the job, a rerun that finishes) that leaves at most 1%
+of the wall time unexplained."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
+from spmd.rundir.trackers import flatten
 from tests.helpers.checkpoint_worker import _env, events, kill_tagged, train_cmd
 from tests.helpers.env import REPO, require, run_spmd
 from tests.helpers.fault_injection import fault_env
 from tests.helpers.records import read_jsonl
+from tests.unit.test_trackers import tensorboard_hparams
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +70,12 @@ def test_profile_trace_and_tensorboard_of_a_two_rank_run(tmp_path):
         assert metrics[event.step]["lr"] == pytest.approx(event.value)
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx(
         [metrics[s]["loss"] for s in range(1, 9)])
+    # rank 0 alone writes (rank 1 would add its own events file, with the same scalars)
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    # the resolved config, as run.dir/config.yaml has it, in the hparams plugin
+    hparams = tensorboard_hparams(run_dir / "tensorboard")
+    assert hparams == flatten(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert hparams["train.steps"] == 8 and hparams["run.trackers"] == "['tensorboard']"
 
 
 def start(run_dir: Path, tag: str, *overrides: str, **env: str) -> subprocess.Popen:
@@ -150,6 +161,8 @@ def test_report_over_two_preemptions_a_kill_9_and_a_rerun(tmp_path):
     assert [j["lost_steps"] for j in (jobs[0], jobs[1], jobs[3])] == [0, 0, 0]
     total = sum(ledger["totals"].values())
     assert total == pytest.approx(ledger["wall_s"], rel=0.01)
+    # `other` is the remainder that makes the sum exact: what the records leave unexplained
+    assert abs(ledger["totals"]["other"]) <= 0.01 * ledger["wall_s"], ledger["totals"]
     for job in jobs:
         assert sum(job["parts"].values()) == pytest.approx(job["wall_s"], rel=1e-9)
         assert job["parts"]["training"] > 0 and job["parts"]["bootstrap"] > 0

@@ -112,3 +112,17 @@ def test_step_overhead_recipe_short_times_spmd_against_the_hand_written_recipe()
     assert r["spmd_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
     assert r["paired_ratio"]["median"] > 0
     assert "recipe (grad_accum=4" in proc.stdout
+
+
+def test_step_overhead_tensorboard_short_measures_the_tracker_against_off():
+    """spmd's step + metrics hook with run.trackers=[tensorboard] against trackers off."""
+    proc, record = bench("step_overhead.py", "--short", "--cases", "tensorboard")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = record["results"]
+    assert r["case"] == "tensorboard" and r["verdict"] is None and r["devices"] == 1
+    assert r["tensorboard_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
+    assert r["paired_ratio"]["median"] > 0 and len(r["paired_ratio_ci95"]) == 2
+    # every step of the warm-up round and of the 3 repetitions, 5 steps each, was logged
+    assert r["scalars_logged_per_tag"] == (1 + r["reps"]) * r["steps_per_rep"] == 20
+    assert r["event_files"] == {"off": 0, "tensorboard": 1}   # "off" wrote no events
+    assert "TensorBoard tracker" in proc.stdout and "short mode, no target" in proc.stdout

@@ -135,3 +135,77 @@ def test_the_time_waited_for_data_is_summed_over_logged_steps():
                                                          if "loss" in r))
     assert tp["input_wait_fraction"] == pytest.approx(0.1)
     assert "input_wait_s" not in build_ledger(*three_jobs(), batch_size=8).throughput
+
+
+def two_recorded_jobs() -> tuple[list[dict], list[dict]]:
+    """A preempted job and its requeue whose records explain all but the last 30 ms of each
+    job (teardown after the last record of the closing): what a healthy run writes."""
+    events = [
+        ev("started", 101, size=2, nodes=1, job_id="7", restart_count=0, process_start=100),
+        ev("initialized", 102, step=0, seconds=1.0),
+        ev("evaluated", 102.5, step=0, eval_loss=1.0, seconds=0.5),
+        ev("compiled", 104.5, seconds=2.0),
+        ev("saved", 107.1, tier="local", step=5, blocking_s=0.1, waited_s=0.0),
+        ev("closed", 109.95, seconds={"checkpoint": 0.3}),
+        ev("preempted", 109.97, step=10, reason="SIGTERM", exit_code=75),
+        ev("started", 121, size=2, nodes=1, job_id="8", restart_count=1, process_start=120),
+        ev("restored", 122, step=10, source="local", seconds=0.5),
+        ev("compiled", 123, seconds=1.0),
+        ev("evaluated", 128.2, step=20, eval_loss=0.5, seconds=0.2),
+        ev("saved", 128.4, tier="persistent", step=20, blocking_s=0.2, waited_s=0.0),
+        ev("closed", 128.95, seconds={"checkpoint": 0.5}),
+        ev("finished", 128.97, step=20),
+    ]
+    metrics = [{"step": 0, "eval_loss": 1.0}, *steps(1, 5, 104.5, 0.5),
+               *steps(6, 10, 107.1, 0.5), *steps(11, 20, 123, 0.5)]
+    return events, metrics
+
+
+def test_the_parts_explain_the_wall_time_to_within_one_percent():
+    """`other` is the remainder, so the parts always sum to the wall time: what says that
+    the ledger accounts for the time is that the unexplained rest stays under 1%."""
+    ledger = build_ledger(*two_recorded_jobs(), batch_size=8)
+    assert [j.reason for j in ledger.jobs] == ["preempted (SIGTERM)", "finished"]
+    assert sum(ledger.totals.values()) == pytest.approx(ledger.wall_s, rel=0.01)
+    assert 0 <= ledger.totals["other"] <= 0.01 * ledger.wall_s
+    for job in ledger.jobs:
+        assert sum(job.parts.values()) == pytest.approx(job.wall_s, rel=1e-9)
+        assert 0 <= job.parts["other"] <= 0.01 * job.wall_s
+    assert ledger.totals["training"] == pytest.approx(10.0)   # 20 steps of 0.5 s
+    assert ledger.totals["queue"] == pytest.approx(120 - 109.97)
+
+
+def test_mfu_and_model_flops_reach_the_report_when_the_task_gives_flops(tmp_path, capsys):
+    import json
+
+    from spmd.cli.main import main
+
+    events, metrics = two_recorded_jobs()
+    for r in metrics:
+        if "loss" in r:   # what MetricsHook logs for a task with FLOPs on a known device
+            r.update(mfu=0.38 + 0.01 * (r["step"] % 5), model_flops_per_s=4e12,
+                     tokens_per_s=2048.0)
+    ledger = build_ledger(events, metrics, batch_size=8)
+    tp = ledger.throughput
+    assert tp["median_mfu"] == pytest.approx(0.40)
+    assert tp["median_model_flops_per_s"] == 4e12 and tp["median_tokens_per_s"] == 2048.0
+    assert tp["allocation_mfu"] == pytest.approx(0.40 * ledger.goodput)
+    assert tp["samples_per_s"] == pytest.approx(8 * 20 / 10.0)
+
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    (tmp_path / "config.yaml").write_text("train:\n  batch_size: 8\n")
+    assert main(["report", str(tmp_path)]) == 0
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("throughput:")]
+    assert "samples_per_s 16," in line and "median_tokens_per_s 2,048," in line
+    assert "median_model_flops_per_s 4e+12," in line and "median_mfu 0.4," in line
+    assert line.endswith(f"allocation_mfu {0.40 * ledger.goodput:.4g}")
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["throughput"] == pytest.approx(tp)
+
+    # FLOPs but no known peak for the device (a CPU): FLOP/s, and no MFU to report
+    for r in metrics:
+        r.pop("mfu", None)
+    tp = build_ledger(events, metrics, batch_size=8).throughput
+    assert tp["median_model_flops_per_s"] == 4e12
+    assert "median_mfu" not in tp and "allocation_mfu" not in tp
