@@ -97,6 +97,7 @@ class ArraySource(RecordReads):
 
     def _setup(self) -> None:
         self._advised: dict[tuple[int, int], int] = {}     # rows -> last step told
+        self._cold_until = -1                 # readahead runs up to this step (last miss + N)
         self._lock = threading.RLock()
         self._files: FileIndex | None = None
         self._offsets: dict[str, np.ndarray] = {}        # field -> cumulative record counts
@@ -334,8 +335,7 @@ class ArraySource(RecordReads):
             if zarr_reads:
                 nbytes += self._read_zarr(zarr_reads, records)
         self._count_reads(reads, nbytes, per_file)
-        if missed:
-            self._read_ahead(step, start, stop)
+        self._read_ahead(step, start, stop, missed)
         return out
 
     def _count_reads(self, reads: list[tuple[str, int, tuple[slice, ...]]], nbytes: int,

@@ -13,10 +13,10 @@ Invariants:
 - The three paths give the same values; which one runs never changes a batch.
 - Every error names the file, the record, the dataset path and the config key
   (`_read_error` of the source).
-- Readahead: a direct read that missed the page cache makes the source announce the
-  records of the next `READAHEAD_STEPS` steps (rows [start, stop) of each) to the kernel,
-  once each and never at or past `prefetch_until`; reads that hit the cache announce
-  nothing.
+- Readahead: after a direct read that missed the page cache, each call announces to the
+  kernel the records of rows [start, stop) of the steps up to `READAHEAD_STEPS` ahead,
+  once each and never at or past `prefetch_until`, until `COLD_STEPS` steps after the
+  last miss; reads that hit the cache announce nothing.
 """
 
 from __future__ import annotations
@@ -35,18 +35,24 @@ class RecordReads:
     """The reading half of spmd.data.arrays.ArraySource (a mixin: it uses the source's
     index, members, datasets and errors)."""
 
-    # After a direct read that missed the page cache, the records of this many following
-    # steps are announced to the kernel (posix_fadvise WILLNEED), as its own readahead
-    # does for a sequential read: a cold shuffled read then keeps several steps of I/O
-    # in flight. Nothing is announced while reads hit the cache.
-    READAHEAD_STEPS = 4
+    # Readahead: after a direct read that missed the page cache, every call announces the
+    # records of the steps up to READAHEAD_STEPS ahead (posix_fadvise WILLNEED), as the
+    # kernel's own readahead does for a sequential read, so that a cold shuffled read keeps
+    # several steps of I/O in flight; this goes on until COLD_STEPS steps after the last
+    # miss (announced records hit the cache, so a hit says nothing). Nothing is announced
+    # while reads hit the cache.
+    READAHEAD_STEPS = 8
+    COLD_STEPS = 256
 
-    def _read_ahead(self, step: int, start: int, stop: int) -> None:
-        """After a read that missed the page cache: tell the kernel the records of rows
-        [start, stop) of the next READAHEAD_STEPS steps (those not told yet), so that their
-        I/O runs while this step is used, as the kernel's own readahead does for a
-        sequential read."""
+    def _read_ahead(self, step: int, start: int, stop: int, missed: int) -> None:
+        """Tell the kernel the records of rows [start, stop) of the steps up to
+        READAHEAD_STEPS ahead of `step` (those not told yet), while reads are cold: a read
+        missed the page cache (`missed` > 0) less than COLD_STEPS steps ago."""
         with self._lock:
+            if missed:
+                self._cold_until = max(self._cold_until, step + self.COLD_STEPS)
+            if step > self._cold_until:
+                return
             first = max(step, self._advised.get((start, stop), step)) + 1
             last = step + self.READAHEAD_STEPS
             if self.prefetch_until is not None:
