@@ -120,7 +120,9 @@ def test_a_stopped_rank_is_named_the_job_exits_hung_and_a_rerun_resumes_bit_iden
     assert step_blobs(run_dir, end) == step_blobs(reference, end)
 
 
-def test_sigterm_to_spmd_run_ends_a_stuck_rank_within_the_save_timeout_and_30_s(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_spmd_run_ends_a_stuck_rank_within_the_save_timeout_and_30_s(tmp_path, sig):
+    """What a batch system (SIGTERM) or a closed terminal / Ctrl-C (SIGINT) sends."""
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(run_dir, tag, "launch.step_timeout_s=0", "checkpoint.timeout_s=2")
     try:
@@ -128,15 +130,15 @@ def test_sigterm_to_spmd_run_ends_a_stuck_rank_within_the_save_timeout_and_30_s(
         os.kill(rank_pid(tag, 1), signal.SIGSTOP)
         time.sleep(0.5)
         sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=2 + 30 + 30)
         seconds = time.monotonic() - sent
         left = leftovers(tag)
     finally:
         kill_tagged(tag)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert seconds < 2 + 30 + 10, f"{seconds:.0f} s"
-    assert "did not stop within 32 s of SIGTERM" in err
+    assert f"did not stop within 32 s of {sig.name}" in err
     assert not left
 
 
