@@ -258,10 +258,15 @@ class ArraySource(RecordReads):
 
     def locate(self, name: str, record: int) -> tuple[int, int]:
         """(member, row in that member) of record `record` of field `name`."""
+        members, rows = self.place(name, np.array([record]))
+        return int(members[0]), int(rows[0])
+
+    def place(self, name: str, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(members, rows in those members) of `records` (an int array) of field `name`."""
         self.check()
         offsets = self._offsets[name]
-        member = int(np.searchsorted(offsets, record, side="right")) - 1
-        return member, int(record - offsets[member])
+        members = np.searchsorted(offsets, records, side="right") - 1
+        return members, records - offsets[members]
 
     # --------------------------------------------------------- reading
 
@@ -288,11 +293,8 @@ class ArraySource(RecordReads):
         self.check()
         found = self.index.records(self.positions(step, start, stop))
         records = found.tolist()
-        placed = {}                                   # field -> (members, rows in them)
-        for name in self.fields:
-            offsets = self._offsets[name]
-            members = np.searchsorted(offsets, found, side="right") - 1
-            placed[name] = (members.tolist(), (found - offsets[members]).tolist())
+        placed = {name: tuple(a.tolist() for a in self.place(name, found))
+                  for name in self.fields}            # field -> (members, rows in them)
         reads: list[tuple[str, int, tuple[slice, ...]]] = []
         out, nbytes, per_file = {}, 0, collections.Counter()
         zarr_reads: list[tuple[np.ndarray, list[tuple[int, int]], Any, tuple[slice, ...], str,

@@ -33,10 +33,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-__all__ = ["DirectLayout", "FileRecords", "ShortRead", "read_jobs"]
+__all__ = ["DirectLayout", "FileRecords", "ShortRead", "read_cached", "read_jobs"]
 
 NO_OFFSET = -1
-_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)     # Linux: read only what the page cache holds
 
 
@@ -155,11 +155,29 @@ class FileRecords:
 
     def advise(self, rows: list[int]) -> None:
         """Tell the kernel that records `rows` will be read soon (`WILLNEED`)."""
-        if _WILLNEED is None:
+        if WILLNEED is None:
             return
         for off in self.layout.offsets(np.asarray(rows, dtype=np.int64)).tolist():
             if off >= 0:
-                os.posix_fadvise(self.fd, off, self.layout.row_bytes, _WILLNEED)
+                os.posix_fadvise(self.fd, off, self.layout.row_bytes, WILLNEED)
+
+
+def read_cached(fd: int, buffer: Any, offset: int) -> int | None:
+    """`preadv` of `buffer` at `offset` from the page cache only (`RWF_NOWAIT`): the bytes
+    read, or None where they are not all cached or the file system cannot say (after its
+    first refusal `RWF_NOWAIT` is not tried again). Both direct readers probe through it."""
+    global _NOWAIT
+    if _NOWAIT is None:
+        return None
+    try:
+        return os.preadv(fd, [buffer], offset, _NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as e:                         # a file system without RWF_NOWAIT
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        _NOWAIT = None
+        return None
 
 
 def read_jobs(jobs: list[tuple[int, np.ndarray, int]], row_bytes: int) -> int:
@@ -169,25 +187,11 @@ def read_jobs(jobs: list[tuple[int, np.ndarray, int]], row_bytes: int) -> int:
     they are fetched concurrently, then read. Returns how many were not in the page cache
     (all of them where the file system cannot say). Raises ShortRead naming the job whose
     file ends early."""
-    global _NOWAIT
-    misses = []
-    for k, (fd, buffer, off) in enumerate(jobs):
-        if _NOWAIT is None:
-            misses.append(k)
-            continue
-        try:
-            got = os.preadv(fd, [buffer], off, _NOWAIT)
-        except BlockingIOError:
-            got = -1
-        except OSError as e:                     # a file system without RWF_NOWAIT
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            _NOWAIT, got = None, -1
-        if got != row_bytes:
-            misses.append(k)
-    if _WILLNEED is not None and len(misses) > 1:
+    misses = [k for k, (fd, buffer, off) in enumerate(jobs)
+              if read_cached(fd, buffer, off) != row_bytes]
+    if WILLNEED is not None and len(misses) > 1:
         for k in misses:
-            os.posix_fadvise(jobs[k][0], jobs[k][2], row_bytes, _WILLNEED)
+            os.posix_fadvise(jobs[k][0], jobs[k][2], row_bytes, WILLNEED)
     for k in misses:
         fd, buffer, off = jobs[k]
         got = os.preadv(fd, [buffer], off)

@@ -63,9 +63,7 @@ class RecordReads:
         found = self.index.records(np.concatenate(
             [np.asarray(self.positions(t, start, stop)) for t in range(first, last + 1)]))
         for name in self.fields:
-            offsets = self._offsets[name]
-            members = np.searchsorted(offsets, found, side="right") - 1
-            rows = found - offsets[members]
+            members, rows = self.place(name, found)
             for m in np.unique(members).tolist():
                 with self._member(m) as store:
                     reader = store.direct(self.datasets[name], f"{self.fields_key}.{name}")

@@ -145,7 +145,8 @@ class Store:
         `spmd.data.direct_reads.FileRecords` for an uncompressed HDF5 / NetCDF4 dataset,
         `spmd.data.zarr_chunks.ChunkRecords` for a Zarr v3 array of one record per chunk;
         None otherwise (read through `get`). `reader.read(rows, buffers)` returns the
-        records it left."""
+        records it left and how many missed the page cache; `reader.advise(rows)` tells the
+        kernel they will be read soon."""
         if self.format not in ("hdf5", "netcdf", "zarr"):
             return None
         with self._direct_lock:

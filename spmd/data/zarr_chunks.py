@@ -27,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,12 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.direct_reads import ShortRead
+from spmd.data.direct_reads import WILLNEED, ShortRead, read_cached
 
 __all__ = ["ChunkRecords"]
 
-_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
-_NOWAIT = getattr(os, "RWF_NOWAIT", None)     # Linux: read only what the page cache holds
 
 
 def _decoder(codec: Any) -> Callable[[bytes], Any] | None:
@@ -137,9 +134,9 @@ class ChunkRecords:
             data = [None if fd is None else _read_cached(fd) for fd in fds]
             misses = [k for k, (fd, got) in enumerate(zip(fds, data))
                       if fd is not None and got is None]
-            if _WILLNEED is not None and len(misses) > 1:
+            if WILLNEED is not None and len(misses) > 1:
                 for k in misses:
-                    os.posix_fadvise(fds[k], 0, 0, _WILLNEED)
+                    os.posix_fadvise(fds[k], 0, 0, WILLNEED)
             for k in misses:
                 data[k] = os.pread(fds[k], os.fstat(fds[k]).st_size, 0)
             for k, got in enumerate(data):
@@ -153,7 +150,7 @@ class ChunkRecords:
 
     def advise(self, rows: list[int]) -> None:
         """Tell the kernel that the chunk files of records `rows` will be read soon."""
-        if _WILLNEED is None:
+        if WILLNEED is None:
             return
         for row in rows:
             try:
@@ -161,7 +158,7 @@ class ChunkRecords:
             except FileNotFoundError:
                 continue
             try:
-                os.posix_fadvise(fd, 0, 0, _WILLNEED)
+                os.posix_fadvise(fd, 0, 0, WILLNEED)
             finally:
                 os.close(fd)
 
@@ -179,20 +176,8 @@ class ChunkRecords:
         buffer.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, dtype=np.uint8)
 
 
+
 def _read_cached(fd: int) -> bytearray | None:
-    """The whole file if the page cache holds it (`RWF_NOWAIT`), else None."""
-    global _NOWAIT
-    size = os.fstat(fd).st_size
-    if _NOWAIT is None:
-        return None
-    buffer = bytearray(size)
-    try:
-        got = os.preadv(fd, [buffer], 0, _NOWAIT)
-    except BlockingIOError:
-        return None
-    except OSError as e:                          # a file system without RWF_NOWAIT
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        _NOWAIT = None
-        return None
-    return buffer if got == size else None
+    """The whole file if the page cache holds it, else None."""
+    buffer = bytearray(os.fstat(fd).st_size)
+    return buffer if read_cached(fd, buffer, 0) == len(buffer) else None
