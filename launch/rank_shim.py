@@ -10,7 +10,9 @@ Invariants:
 - The rank never outlives its shim: PR_SET_PDEATHSIG=SIGKILL (Linux), so a proxy that still
   SIGKILLs its children (it does on any failure of its own) takes the ranks with it.
 - Every signal the proxy sends that a rank acts on is passed on to the rank (Hydra starts
-  each rank in its own session, so this is the only way signals reach it).
+  each rank in its own session, so this is the only way signals reach it), including one
+  sent before the rank exists or just as the shim starts to wait; none sent after the rank
+  ended is acted on.
 - The rank inherits every file descriptor and the environment; the shim then closes its own
   copy of Hydra's PMI socket (PMI_FD), whose lifetime must be the rank's.
 - It imports nothing heavy: run by its file path, it loads no jax, numpy or spmd.
@@ -25,6 +27,7 @@ import sys
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT, signal.SIGTSTP)
+WATCHED = {*FORWARDED, signal.SIGCHLD}  # blocked in the shim, taken one at a time by sigwait
 
 
 def die_with_parent() -> None:
@@ -43,29 +46,26 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def start_rank(argv: list[str]) -> subprocess.Popen:
+    """Start the rank with the shim's blocked signals unblocked (exec keeps a signal mask)."""
+    def in_child() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
+        if sys.platform == "linux":
+            die_with_parent()
+
+    return subprocess.Popen(argv, close_fds=False, preexec_fn=in_child)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python rank_shim.py CMD [ARG...]", file=sys.stderr)
         return 2
-    # a signal that arrives before the rank exists is held, then passed on (the rank's exec
-    # resets these Python handlers to the default)
-    pending: list[int] = []
-    child: subprocess.Popen | None = None
-
-    def forward(signum: int, frame: object) -> None:
-        if child is None:
-            pending.append(signum)
-            return
-        try:
-            os.kill(child.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for s in FORWARDED:
-        signal.signal(s, forward)
+    # the shim keeps every watched signal blocked and takes them with sigwait, so none can
+    # slip in between a handler check and a blocking wait (a Python handler would run only
+    # after the rank had exited); a signal sent before the rank exists waits its turn
+    signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
     try:
-        child = subprocess.Popen(argv, close_fds=False,
-                                 preexec_fn=die_with_parent if sys.platform == "linux" else None)
+        child = start_rank(argv)
     except OSError as e:
         print(f"spmd rank shim: cannot start {argv[0]}: {e}", file=sys.stderr)
         return 127
@@ -76,18 +76,15 @@ def main(argv: list[str]) -> int:
             os.close(int(pmi_fd))
         except OSError:
             pass
-    for signum in pending:
-        forward(signum, None)
-    while True:
-        try:
-            returncode = child.wait()
-            break
-        except InterruptedError:
-            continue
+    while (returncode := child.poll()) is None:
+        signum = signal.sigwait(WATCHED)
+        if signum != signal.SIGCHLD:
+            try:
+                os.kill(child.pid, signum)
+            except ProcessLookupError:
+                pass
     # the rank is gone: what the proxy still sends (Hydra signals SIGUSR1 as ranks close their
-    # PMI sockets) must not turn the shim's clean exit into a death by signal
-    for s in FORWARDED:
-        signal.signal(s, signal.SIG_IGN)
+    # PMI sockets) stays blocked and cannot turn the shim's clean exit into a death by signal
     return exit_status(returncode)
 
 

@@ -44,6 +44,32 @@ def test_signals_reach_the_rank_and_a_late_one_is_ignored():
     assert out.strip() == "usr1"
 
 
+def test_a_signal_sent_just_as_the_shim_starts_to_wait_is_never_lost():
+    # the rank is ready before its shim may have reached its wait: a signal sent then once
+    # waited unseen in a handler until the rank ended by itself
+    for attempt in range(20):
+        proc = shim("import signal, sys, time",
+                    "signal.signal(signal.SIGUSR2, lambda *a: sys.exit(76))",
+                    "print('ready', flush=True)",
+                    "time.sleep(60)")
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGUSR2)
+        try:
+            assert proc.wait(timeout=20) == 76, f"attempt {attempt}: {proc.stderr.read()}"
+        finally:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_signal_after_the_rank_ended_leaves_the_exit_status_as_it_was():
+    proc = shim("import sys, time", "print('ready', flush=True)", "sys.exit(3)")
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)  # the rank has ended; the shim may still be on its way out
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)  # as Hydra's proxy sends when PMI sockets close
+    assert proc.wait(timeout=60) == 3
+
+
 def gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] in ("Z", "X")  # a zombie
