@@ -36,7 +36,6 @@ Invariants:
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -103,6 +102,7 @@ class ArraySource(RecordReads):
         self._offsets: dict[str, np.ndarray] = {}        # field -> cumulative record counts
         self._ndims: dict[str, int] = {}                  # field -> stored ndim (h5py's is slow)
         self._stores: collections.OrderedDict[int, Store] = collections.OrderedDict()
+        self._names: list[str] | None = None              # member -> str(path), for counters
         self._busy: collections.Counter[int] = collections.Counter()
         self._order: Any = None
         self._checked = False
@@ -154,6 +154,13 @@ class ArraySource(RecordReads):
                 if self._files is None:
                     self._files = load_index(self.path, self.where)
         return self._files
+
+    @property
+    def _path_names(self) -> list[str]:
+        """Each member's path as the read counters name it."""
+        if self._names is None:
+            self._names = [str(m.path) for m in self.files.members]
+        return self._names
 
     def check(self) -> int:
         """Check every dataset against its BatchField (once); the number of records used.
@@ -230,29 +237,43 @@ class ArraySource(RecordReads):
     # --------------------------------------------------------- members
 
     def _member(self, i: int) -> _Lease:
-        return _Lease(self, i)
+        return _Lease(self, [i], single=True)
 
-    def _acquire(self, i: int) -> Store:
+    def _members(self, members: list[int]) -> _Lease:
+        """`with source._members([i, ...]) as stores:` {i: store}, leased with one lock."""
+        return _Lease(self, members, single=False)
+
+    def _acquire(self, members: list[int]) -> dict[int, Store]:
         with self._lock:
-            store = self._stores.get(i)
-            if store is None:
-                member = self.files.members[i]
-                store = Store(member.path, self._where(i), member.format)
-                self._stores[i] = store
-                self.opened_files.append(str(member.path))
-            self._stores.move_to_end(i)
-            self._busy[i] += 1
+            stores = {}
+            try:
+                for i in members:
+                    store = self._stores.get(i)
+                    if store is None:
+                        member = self.files.members[i]
+                        store = Store(member.path, self._where(i), member.format)
+                        self._stores[i] = store
+                        self.opened_files.append(str(member.path))
+                    self._stores.move_to_end(i)
+                    self._busy[i] += 1
+                    stores[i] = store
+            except BaseException:
+                self._release(list(stores))
+                raise
             self._evict()
-            return store
+            return stores
 
-    def _release(self, i: int) -> None:
+    def _release(self, members: list[int]) -> None:
         with self._lock:
-            self._busy[i] -= 1
+            for i in members:
+                self._busy[i] -= 1
             self._evict()
 
     def _evict(self) -> None:
         """Close the least recently used idle members beyond `max_open`."""
         excess = len(self._stores) - self.max_open
+        if excess <= 0:
+            return
         for j in [j for j in self._stores if self._busy[j] <= 0][:max(excess, 0)]:
             self._stores.pop(j).close()
 
@@ -293,18 +314,17 @@ class ArraySource(RecordReads):
         self.check()
         found = self.index.records(self.positions(step, start, stop))
         records = found.tolist()
-        placed = {name: tuple(a.tolist() for a in self.place(name, found))
+        placed = {name: self.place(name, found)
                   for name in self.fields}            # field -> (members, rows in them)
         reads: list[tuple[str, int, tuple[slice, ...]]] = []
         out, nbytes, per_file = {}, 0, collections.Counter()
         zarr_reads: list[tuple[np.ndarray, list[tuple[int, int]], Any, tuple[slice, ...], str,
                                int]] = []
         missed = 0                                    # direct reads not in the page cache
-        with contextlib.ExitStack() as held:          # one lease per member and call
-            stores = {m: held.enter_context(self._member(m))
-                      for m in sorted({m for members, _ in placed.values() for m in members})}
+        counts = np.bincount(np.concatenate([members for members, _ in placed.values()]))
+        with self._members(np.flatnonzero(counts).tolist()) as stores:  # leased together
             for name, field in self.fields.items():
-                members, rows = placed[name]
+                member_of, row_of = placed[name]
                 box = (region or {}).get(name) or tuple((0, n) for n in field.example_shape)
                 value = np.empty((len(records), *(hi - lo for lo, hi in box)), field.dtype)
                 out[name] = value
@@ -312,17 +332,17 @@ class ArraySource(RecordReads):
                     continue
                 key = f"{self.fields_key}.{name}"
                 ndim = self._ndims.get(name) or self._ndims.setdefault(
-                    name, stores[members[0]].get(self.datasets[name], key).ndim)
+                    name, stores[int(member_of[0])].get(self.datasets[name], key).ndim)
                 index = tuple(slice(lo, hi) for lo, hi in box[:ndim - 1])
                 left: list[int] | range = range(len(records))
                 if all(lo == 0 and hi == n for (lo, hi), n in zip(box, field.example_shape)):
-                    left, got, cold = self._read_direct(value, name, key, members, rows,
+                    left, got, cold = self._read_direct(value, name, key, member_of, row_of,
                                                         stores, records)
                     nbytes += got
                     missed += cold
                 by_member: dict[int, list[tuple[int, int]]] = {}   # member -> [(i, row)]
                 for i in left:
-                    by_member.setdefault(members[i], []).append((i, rows[i]))
+                    by_member.setdefault(int(member_of[i]), []).append((i, int(row_of[i])))
                 for member, items in by_member.items():
                     store = stores[member]
                     array = store.get(self.datasets[name], key)
@@ -331,11 +351,11 @@ class ArraySource(RecordReads):
                         continue
                     nbytes += self._read_into(value, items, array, store.format, index, name,
                                               member, records)
-                for member, n in collections.Counter(members).items():
-                    per_file[str(self.files.members[member].path)] += n
                 reads += [(name, record, index) for record in records]
             if zarr_reads:
                 nbytes += self._read_zarr(zarr_reads, records)
+        for member in stores:
+            per_file[self._path_names[member]] += int(counts[member])
         self._count_reads(reads, nbytes, per_file)
         self._read_ahead(step, start, stop, missed)
         return out
@@ -370,8 +390,8 @@ class ArraySource(RecordReads):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for k in ("_lock", "_files", "_offsets", "_ndims", "_stores", "_busy", "_order",
-                  "_checked"):
+        for k in ("_lock", "_files", "_offsets", "_ndims", "_stores", "_names", "_busy",
+                  "_order", "_checked"):
             state.pop(k, None)
         return state
 
@@ -381,13 +401,15 @@ class ArraySource(RecordReads):
 
 
 class _Lease:
-    """`with source._member(i) as store:` the member open, and not closed while in use."""
+    """`with source._member(i) as store:` the member open, and not closed while in use
+    (`_members([i, ...])`: {i: store} for several members)."""
 
-    def __init__(self, source: ArraySource, i: int):
-        self.source, self.i = source, i
+    def __init__(self, source: ArraySource, members: list[int], single: bool):
+        self.source, self.members, self.single = source, members, single
 
-    def __enter__(self) -> Store:
-        return self.source._acquire(self.i)
+    def __enter__(self) -> Any:
+        stores = self.source._acquire(self.members)
+        return stores[self.members[0]] if self.single else stores
 
     def __exit__(self, *exc: Any) -> None:
-        self.source._release(self.i)
+        self.source._release(self.members)

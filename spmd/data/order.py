@@ -154,6 +154,16 @@ class EpochOrder:
 
     def records(self, positions: np.ndarray | range) -> np.ndarray:
         """The records (int64) read at `positions` (non-negative)."""
+        if isinstance(positions, range) and positions.step == 1 and len(positions) \
+                and positions.start >= 0:          # a step's rows: one slice, no NumPy pass
+            (epoch, lo), (last_epoch, hi) = (divmod(positions.start, self.count),
+                                             divmod(positions.stop - 1, self.count))
+            if epoch == last_epoch:
+                if not self.shuffle:
+                    return np.arange(lo, hi + 1, dtype=np.int64)
+                (block, lo), (last_block, hi) = divmod(lo, self.BLOCK), divmod(hi, self.BLOCK)
+                if block == last_block:
+                    return self._block(epoch, block)[lo:hi + 1].copy()
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and positions.min() < 0:
             raise ValueError(f"EpochOrder: positions must be non-negative "

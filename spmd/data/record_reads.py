@@ -16,7 +16,8 @@ Invariants:
 - Readahead: after a direct read that missed the page cache, each call announces to the
   kernel the records of rows [start, stop) of the steps up to `READAHEAD_STEPS` ahead,
   once each and never at or past `prefetch_until`, until `COLD_STEPS` steps after the
-  last miss; reads that hit the cache announce nothing.
+  last call that missed for a quarter of its records or more; reads that hit the cache
+  announce nothing.
 """
 
 from __future__ import annotations
@@ -43,13 +44,16 @@ class RecordReads:
     # while reads hit the cache.
     READAHEAD_STEPS = 8
     COLD_STEPS = 256
+    COLD_SHARE = 4
 
     def _read_ahead(self, step: int, start: int, stop: int, missed: int) -> None:
         """Tell the kernel the records of rows [start, stop) of the steps up to
-        READAHEAD_STEPS ahead of `step` (those not told yet), while reads are cold: a read
-        missed the page cache (`missed` > 0) less than COLD_STEPS steps ago."""
+        READAHEAD_STEPS ahead of `step` (those not told yet), while reads are cold: a call
+        missed the page cache for at least 1 in COLD_SHARE of its records less than
+        COLD_STEPS steps ago (a warm file still misses now and then: a page the kernel
+        marked for its own readahead refuses RWF_NOWAIT once)."""
         with self._lock:
-            if missed:
+            if missed and missed * self.COLD_SHARE >= stop - start:
                 self._cold_until = max(self._cold_until, step + self.COLD_STEPS)
             if step > self._cold_until:
                 return
@@ -70,38 +74,56 @@ class RecordReads:
                     if reader is not None:
                         reader.advise(rows[members == m].tolist())
 
-    def _read_direct(self, value: np.ndarray, name: str, key: str, members: list[int],
-                     rows: list[int], stores: dict[int, Store], records: list[int]
+    def _read_direct(self, value: np.ndarray, name: str, key: str, members: np.ndarray,
+                     rows: np.ndarray, stores: dict[int, Store], records: list[int]
                      ) -> tuple[list[int], int, int]:
         """Whole records straight from the files' bytes into `value` (uncompressed HDF5 /
-        NetCDF4: spmd.data.direct_reads; Zarr v3, one record per chunk:
-        spmd.data.zarr_chunks); returns the batch rows left to read otherwise (other
-        layouts, never-written chunks), the bytes read and how many records were not in
-        the page cache."""
-        from spmd.data.direct_reads import ShortRead
+        NetCDF4: spmd.data.direct_reads, every member's records of the call in one
+        `read_jobs`; Zarr v3, one record per chunk: spmd.data.zarr_chunks, per member);
+        `members` and `rows` are int arrays, one entry per batch row. Returns the batch rows
+        left to read otherwise (other layouts, never-written chunks), the bytes read and how
+        many records were not in the page cache."""
+        from spmd.data.direct_reads import FileRecords, ShortRead, read_jobs
 
         flat = value.reshape(len(rows), -1)
-        by_member: dict[int, list[int]] = {}
-        for i, m in enumerate(members):
-            by_member.setdefault(m, []).append(i)
-        left: list[int] = []
-        done = missed = 0
-        for m, batch_rows in by_member.items():
-            store = stores[m]
-            reader = store.direct(self.datasets[name], key) \
-                if store.get(self.datasets[name], key).dtype == value.dtype else None
+        buffers = list(flat)                       # one view per batch row
+        member_of, row_of = members.tolist(), rows.tolist()
+        dataset = self.datasets[name]
+        readers = {}
+        for m in set(member_of):                   # a cast reads through the library
+            readers[m] = stores[m].direct(dataset, key) \
+                if stores[m].dtype(dataset, key) == value.dtype else None
+        jobs, placed, left = [], [], []
+        by_member: dict[int, list[int]] = {}       # readers of their own (Zarr chunk files)
+        for i, m in enumerate(member_of):          # per record: no NumPy call, no grouping
+            reader = readers[m]
             if reader is None:
-                left += batch_rows
-                continue
+                left.append(i)
+            elif isinstance(reader, FileRecords):
+                off = reader.layout.offset(row_of[i])
+                if off < 0:
+                    left.append(i)
+                else:
+                    jobs.append((reader.fd, buffers[i], off))
+                    placed.append(i)
+            else:
+                by_member.setdefault(m, []).append(i)
+        try:
+            missed = read_jobs(jobs, flat.shape[1] * value.itemsize) if jobs else 0
+        except ShortRead as e:
+            i = placed[e.job]
+            raise self._read_error(name, member_of[i], [records[i]], [row_of[i]], e) from None
+        done = len(jobs)
+        for m, batch_rows in by_member.items():
             try:
-                unread, cold = reader.read([rows[i] for i in batch_rows],
-                                           [flat[i] for i in batch_rows])
+                unread, cold = readers[m].read([row_of[i] for i in batch_rows],
+                                               [buffers[i] for i in batch_rows])
             except ShortRead as e:
                 i = batch_rows[e.job]
-                raise self._read_error(name, m, [records[i]], [rows[i]], e) from None
+                raise self._read_error(name, m, [records[i]], [row_of[i]], e) from None
             except OSError as e:
                 raise self._read_error(name, m, [records[i] for i in batch_rows],
-                                       [rows[i] for i in batch_rows], e) from None
+                                       [row_of[i] for i in batch_rows], e) from None
             left += [batch_rows[k] for k in unread]
             done += len(batch_rows) - len(unread)
             missed += cold

@@ -96,6 +96,7 @@ class Store:
         self._arrays: dict[str, Any] = {}
         self._fd: int | None = None                   # for direct reads (HDF5, NetCDF4)
         self._layouts: dict[str, Any] = {}
+        self._dtypes: dict[str, np.dtype] = {}
         self._direct_lock = threading.Lock()
         OPENED[str(self.path)] += 1
         if self.format in ("hdf5", "netcdf"):
@@ -139,6 +140,12 @@ class Store:
         if dataset not in self._arrays:
             self._arrays[dataset] = self._find(dataset, key)
         return self._arrays[dataset]
+
+    def dtype(self, dataset: str, key: str) -> np.dtype:
+        """The stored dtype of `dataset` (remembered: h5py asks HDF5 on every access)."""
+        if dataset not in self._dtypes:
+            self._dtypes[dataset] = np.dtype(self.get(dataset, key).dtype)
+        return self._dtypes[dataset]
 
     def direct(self, dataset: str, key: str) -> Any:
         """A reader of whole records straight from the files' bytes, found once per dataset:

@@ -210,3 +210,55 @@ def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, m
         for step in range(3):
             warm.rows(step, 0, 4)
         assert len(told) == 2
+
+
+def test_a_few_misses_in_a_warm_read_start_no_readahead(tmp_path, monkeypatch):
+    """A warm file still misses RWF_NOWAIT now and then (a page marked for the kernel's own
+    readahead): a call counts as cold only when a quarter of its records or more missed."""
+    from spmd.data.direct_reads import FileRecords
+
+    path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
+    told: list[list[int]] = []
+    monkeypatch.setattr(FileRecords, "advise", lambda self, rows: told.append(rows))
+    src = ArraySource(path, {"u": "train/u"}, FIELD, 8, seed=1)
+    src.rows(0, 0, 8)
+    src._read_ahead(0, 0, 8, missed=1)             # 1 of 8: warm
+    assert told == []
+    src._read_ahead(0, 0, 8, missed=2)             # 2 of 8: cold, the next steps are told
+    assert told and [r for rows in told for r in rows] == [
+        r for t in range(1, 1 + src.READAHEAD_STEPS) for r in src.record_indices(t, 0, 8)]
+
+
+def test_a_layout_is_found_once_per_file_version(tmp_path, monkeypatch):
+    """A store opened again (a member closed to stay under max_open, a new source) reuses
+    the layout it found; a file rewritten since is looked at again and read right."""
+    found: list[str] = []
+    real = DirectLayout._find.__func__
+    monkeypatch.setattr(DirectLayout, "_find",
+                        classmethod(lambda cls, ds: (found.append(ds.name), real(cls, ds))[1]))
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
+    np.testing.assert_array_equal(direct_values(path), data)
+    np.testing.assert_array_equal(direct_values(path), data)
+    assert found == ["/train/u"]
+    os.remove(path)
+    again = values()[::-1].copy()
+    write_h5(tmp_path / "d.h5", again, chunks=(1, *SHAPE))
+    st = os.stat(path)                   # as a rewrite a moment later (mtime ticks ~4 ms)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    np.testing.assert_array_equal(direct_values(path), again)
+    assert found == ["/train/u", "/train/u"]
+
+
+def test_a_failing_read_names_its_job(tmp_path):
+    path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
+    fd = os.open(path, os.O_RDONLY)
+    closed = os.open(path, os.O_RDONLY)
+    os.close(closed)
+    buffers = np.empty((2, 4), np.float32)
+    try:
+        with pytest.raises(direct_reads.ShortRead, match="offset 0 failed") as e:
+            read_jobs([(fd, buffers[0], 0), (closed, buffers[1], 0)], 16)
+        assert e.value.job == 1
+    finally:
+        os.close(fd)

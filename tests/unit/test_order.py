@@ -47,7 +47,8 @@ def test_epochs_are_permutations_and_differ() -> None:
 def test_calls_that_cross_blocks_and_epochs() -> None:
     """A call spanning a block boundary, an epoch boundary, and many epochs of a tiny split
     gives what the positions give one by one."""
-    for count, start, stop in [(20_000, 8100, 8300), (20_000, 19_990, 20_010), (3, 0, 40)]:
+    for count, start, stop in [(20_000, 8100, 8300), (20_000, 19_990, 20_010), (3, 0, 40),
+                               (20_000, 20_100, 20_132)]:      # the last: one block
         order = EpochOrder(count, seed=11)
         theirs = grain_order(count, 11)
         assert order.records(range(start, stop)).tolist() == \
@@ -59,6 +60,15 @@ def test_file_order_without_shuffle() -> None:
     assert order.records(range(20)).tolist() == [p % 7 for p in range(20)]
     theirs = grain_order(7, 5, shuffle=False)
     assert order.records(range(20)).tolist() == [int(theirs[p]) for p in range(20)]
+    assert order.records(range(9, 12)).tolist() == [2, 3, 4]
+
+
+def test_what_a_caller_does_with_the_records_leaves_the_order_as_it_was() -> None:
+    order = EpochOrder(100, seed=2)
+    first = order.records(range(10, 14))
+    want = first.tolist()
+    first[:] = -1                                  # a slice of a cached block would show it
+    assert order.records(range(10, 14)).tolist() == want
 
 
 def test_index_shuffle_matches_grain_at_the_block_edges() -> None:
