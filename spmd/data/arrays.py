@@ -382,6 +382,7 @@ class ArraySource(RecordReads):
             f"truncated or corrupt (left unchanged)")
 
     def close(self) -> None:
+        self._stop_announcing()
         with self._lock:
             for store in self._stores.values():
                 store.close()
@@ -391,7 +392,7 @@ class ArraySource(RecordReads):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         for k in ("_lock", "_files", "_offsets", "_ndims", "_stores", "_names", "_busy",
-                  "_order", "_checked"):
+                  "_order", "_checked", "_announcer", "_announced"):
             state.pop(k, None)
         return state
 

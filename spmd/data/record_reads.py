@@ -17,12 +17,14 @@ Invariants:
   kernel the records of rows [start, stop) of the steps up to `READAHEAD_STEPS` ahead,
   once each and never at or past `prefetch_until`, until `COLD_STEPS` steps after the
   last call that missed for a quarter of its records or more; reads that hit the cache
-  announce nothing.
+  announce nothing. The announcing runs in one readahead thread per source, in call order;
+  `close` stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,9 +44,13 @@ class RecordReads:
     # several steps of I/O in flight; this goes on until COLD_STEPS steps after the last
     # miss (announced records hit the cache, so a hit says nothing). Nothing is announced
     # while reads hit the cache.
+    # The kernel is told in a thread of the source's own ("spmd-readahead"): posix_fadvise
+    # submits the reads and costs 5-10 µs per record, off the reading thread's path.
     READAHEAD_STEPS = 8
     COLD_STEPS = 256
     COLD_SHARE = 4
+    _announcer: ThreadPoolExecutor | None = None
+    _announced: Future | None = None
 
     def _read_ahead(self, step: int, start: int, stop: int, missed: int) -> None:
         """Tell the kernel the records of rows [start, stop) of the steps up to
@@ -64,15 +70,40 @@ class RecordReads:
             if first > last:
                 return
             self._advised[(start, stop)] = last
-        found = self.index.records(np.concatenate(
-            [np.asarray(self.positions(t, start, stop)) for t in range(first, last + 1)]))
-        for name in self.fields:
-            members, rows = self.place(name, found)
-            for m in np.unique(members).tolist():
-                with self._member(m) as store:
-                    reader = store.direct(self.datasets[name], f"{self.fields_key}.{name}")
-                    if reader is not None:
-                        reader.advise(rows[members == m].tolist())
+        with self._lock:
+            if self._announcer is None:      # one thread: the calls' order is kept
+                self._announcer = ThreadPoolExecutor(1, thread_name_prefix="spmd-readahead")
+            self._announced = self._announcer.submit(self._announce, first, last, start, stop)
+
+    def _announce(self, first: int, last: int, start: int, stop: int) -> None:
+        """In the readahead thread: tell the kernel the records of rows [start, stop) of
+        steps first..last. Advice only: a member that cannot be opened or read now is
+        named by the read that needs it, so errors here are dropped."""
+        try:
+            found = self.index.records(np.concatenate(
+                [np.asarray(self.positions(t, start, stop)) for t in range(first, last + 1)]))
+            for name in self.fields:
+                members, rows = self.place(name, found)
+                for m in np.unique(members).tolist():
+                    with self._member(m) as store:
+                        reader = store.direct(self.datasets[name], f"{self.fields_key}.{name}")
+                        if reader is not None:
+                            reader.advise(rows[members == m].tolist())
+        except Exception:  # noqa: BLE001 - advice; the read itself raises what is wrong
+            pass
+
+    def wait_announced(self) -> None:
+        """Block until the readahead told so far has reached the kernel (for tests)."""
+        with self._lock:
+            announced = self._announced
+        if announced is not None:
+            announced.result()
+
+    def _stop_announcing(self) -> None:
+        with self._lock:
+            announcer, self._announcer, self._announced = self._announcer, None, None
+        if announcer is not None:
+            announcer.shutdown(wait=True, cancel_futures=True)
 
     def _read_direct(self, value: np.ndarray, name: str, key: str, members: np.ndarray,
                      rows: np.ndarray, stores: dict[int, Store], records: list[int]

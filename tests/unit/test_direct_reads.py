@@ -5,6 +5,7 @@ is named."""
 from __future__ import annotations
 
 import os
+import threading
 
 import h5py
 import numpy as np
@@ -197,18 +198,22 @@ def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, m
     monkeypatch.setattr(direct_reads, "_NOWAIT", None)
     src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1)
     src.rows(0, 1, 3)
+    src.wait_announced()                           # told in the source's readahead thread
     ahead = src.READAHEAD_STEPS
     want = [r for t in range(1, 1 + ahead) for r in src.record_indices(t, 1, 3)]
     assert [r for rows in told for r in rows] == want
     src.rows(1, 1, 3)                              # one step further: one more step told
+    src.wait_announced()
     assert told[-1] == src.record_indices(1 + ahead, 1, 3)
     src.rows(0, 1, 3)                              # nothing new to tell
+    src.wait_announced()
     assert len(told) == 2
     monkeypatch.setattr(direct_reads, "_NOWAIT", getattr(os, "RWF_NOWAIT", None))
     if direct_reads._NOWAIT is not None:           # Linux: the page cache holds the file
         warm = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1)
         for step in range(3):
             warm.rows(step, 0, 4)
+        warm.wait_announced()
         assert len(told) == 2
 
 
@@ -219,12 +224,17 @@ def test_a_few_misses_in_a_warm_read_start_no_readahead(tmp_path, monkeypatch):
 
     path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
     told: list[list[int]] = []
-    monkeypatch.setattr(FileRecords, "advise", lambda self, rows: told.append(rows))
+    where: set[str] = set()
+    monkeypatch.setattr(FileRecords, "advise", lambda self, rows: (
+        told.append(rows), where.add(threading.current_thread().name)))
     src = ArraySource(path, {"u": "train/u"}, FIELD, 8, seed=1)
     src.rows(0, 0, 8)
     src._read_ahead(0, 0, 8, missed=1)             # 1 of 8: warm
+    src.wait_announced()
     assert told == []
     src._read_ahead(0, 0, 8, missed=2)             # 2 of 8: cold, the next steps are told
+    src.wait_announced()
+    assert [name.split("_")[0] for name in where] == ["spmd-readahead"]  # off the read path
     assert told and [r for rows in told for r in rows] == [
         r for t in range(1, 1 + src.READAHEAD_STEPS) for r in src.record_indices(t, 0, 8)]
 
