@@ -7,7 +7,10 @@
    - feed: `ArraySource` (seeded shuffle, as training reads it) + `BatchFeed` on a
      1-process mesh, `data.prefetch` / `data.read_threads` defaults (2 / 1): every step of
      one epoch through `global_batch`, blocking on the arrays;
-   both with a cold page cache (`posix_fadvise(DONTNEED)` on every file of the dataset,
+   - shuffled (HDF5): every record in a seeded random order, one `os.preadv` each from
+     16 threads, no other work: the I/O floor of any shuffled record read, reported as
+     shuffled / raw and feed / shuffled;
+   all with a cold page cache (`posix_fadvise(DONTNEED)` on every file of the dataset,
    every chunk file of a Zarr store, after an fsync at write time; the output says whether
    it was applied) and with a warm one. Reported: samples/s, MB/s and the paired ratio
    feed / raw of samples/s (target >= 0.8).
@@ -65,6 +68,7 @@ CONFIGS = (REPO / "examples" / "kolmogorov" / "config.yaml",
 SUFFIX = {"hdf5": ".h5", "zarr": ".zarr", "netcdf": ".nc"}
 MB = 2**20
 PROFILE_STEPS = 64          # steps of the --profile measurements
+RANDOM_THREADS = 16         # threads of the shuffled-record floor (I/O in flight at once)
 
 
 # ------------------------------------------------------------------ files and page cache
@@ -154,6 +158,52 @@ def raw_read(members: list[tuple[Path, str]], datasets: list[str]) -> int:
     return nbytes
 
 
+class ShuffledRecords:
+    """The I/O floor of any shuffled record read (HDF5 / NetCDF4 with direct layouts):
+    every record of `datasets`, in a seeded random order, one `os.preadv` each from
+    RANDOM_THREADS threads, no other work. What the device gives for reads of one record
+    each, against the large sequential reads of a whole-file read."""
+
+    def __init__(self, members: list[tuple[Path, str]], datasets: list[str], seed: int):
+        import h5py
+        import numpy as np
+
+        from spmd.data.direct_reads import DirectLayout
+
+        self.fds: list[int] = []
+        jobs: list[tuple[int, int]] = []
+        self.row_bytes = 0
+        for path, _ in members:
+            fd = os.open(path, os.O_RDONLY)
+            self.fds.append(fd)
+            with h5py.File(path, "r") as f:
+                for name in datasets:
+                    layout = DirectLayout.of(f[name], fd)
+                    if layout is None:
+                        raise ValueError(f"{path}:{name} has no direct layout")
+                    self.row_bytes = layout.row_bytes
+                    jobs += [(fd, layout.offset(r)) for r in range(f[name].shape[0])]
+        order = np.random.default_rng(seed).permutation(len(jobs))
+        self.jobs = [jobs[i] for i in order.tolist()]
+
+    def __call__(self) -> int:
+        """Read every record once; the bytes read."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import numpy as np
+
+        def part(k: int) -> int:
+            buffer = np.empty(self.row_bytes, np.uint8)
+            return sum(os.preadv(fd, [buffer], off) for fd, off in self.jobs[k::RANDOM_THREADS])
+
+        with ThreadPoolExecutor(RANDOM_THREADS) as pool:
+            return sum(pool.map(part, range(RANDOM_THREADS)))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
 def members_of(path: Path) -> list[tuple[Path, str]]:
     from spmd.data.file_index import load_index
 
@@ -219,14 +269,20 @@ def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) ->
     runners = {"raw": lambda: {"samples": records,
                                "bytes": raw_read(members, ["train/u0", "train/u1"])},
                "feed": epoch}
-    runners["raw"](), runners["feed"]()  # warm-up: imports, first make_array, the index
+    shuffled = ShuffledRecords(members, ["train/u0", "train/u1"], args.seed) \
+        if fmt in ("hdf5", "netcdf") else None
+    if shuffled is not None:
+        runners["shuffled"] = lambda: {"samples": records, "bytes": shuffled()}
+    for run in runners.values():         # warm-up: imports, first make_array, the index
+        run()
     caches = ("cold", "warm") if args.cold else ("warm",)
     seconds = {(c, n): [] for c in caches for n in runners}
     done: dict[str, dict] = {}
     applied = args.cold
     for rep in range(args.reps):
         for cache in caches:
-            for name in (("raw", "feed") if rep % 2 == 0 else ("feed", "raw")):
+            names = [n for n in ("raw", "feed", "shuffled") if n in runners]
+            for name in (names if rep % 2 == 0 else names[::-1]):
                 if cache == "cold":
                     applied = drop_cache(disk) and applied
                 began = time.perf_counter()
@@ -243,7 +299,14 @@ def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) ->
                          "MBps": did["bytes"] / MB / Stats.of(secs).median}
         rate = {n: [done[n]["samples"] / s for s in seconds[(cache, n)]] for n in done}
         row["ratio"] = Stats.of(paired_ratios(rate["feed"], rate["raw"])).as_dict(4)
+        if "shuffled" in rate:
+            row["shuffled_over_raw"] = Stats.of(
+                paired_ratios(rate["shuffled"], rate["raw"])).as_dict(4)
+            row["feed_over_shuffled"] = Stats.of(
+                paired_ratios(rate["feed"], rate["shuffled"])).as_dict(4)
         out[cache] = row
+    if shuffled is not None:
+        shuffled.close()
     if args.profile:
         out["profile"] = profile_feed(path, args)
     return out
@@ -467,7 +530,7 @@ def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
                     "targets": {"feed_over_raw": FEED_TARGET, "input_wait_fraction": WAIT_TARGET},
                     "formats": {}}
     rows = [("format", "cache", "raw samples/s", "raw MB/s", "feed samples/s", "feed MB/s",
-             "feed/raw (paired median)")]
+             "feed/raw (paired median)", "shuffled/raw", "feed/shuffled")]
     for fmt in formats:
         began = time.perf_counter()
         path, records = make_dataset(root, fmt, args.mb, args.files, args.grid, args.seed)
@@ -483,7 +546,9 @@ def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
                              f"{c['raw']['samples_per_s']:.0f}", f"{c['raw']['MBps']:.0f}",
                              f"{c['feed']['samples_per_s']:.0f}", f"{c['feed']['MBps']:.0f}",
                              f"{c['ratio']['median']:.3f} [{c['ratio']['min']:.3f}, "
-                             f"{c['ratio']['max']:.3f}]"))
+                             f"{c['ratio']['max']:.3f}]",
+                             *(f"{c[k]['median']:.3f}" if k in c else "-"
+                               for k in ("shuffled_over_raw", "feed_over_shuffled"))))
         shutil.rmtree(path, ignore_errors=True)
     train = train_input_wait(args, root) if args.train_steps > 0 else None
     record["train"] = train

@@ -57,12 +57,18 @@ def test_quick_feed_against_raw_read_in_both_formats(tmp_path):
         for cache in ("cold", "warm"):
             c = f[cache]
             assert c["raw"]["samples_per_s"] > 0 and c["feed"]["samples_per_s"] > 0
-            # the feed read exactly its samples' bytes, the raw read every record's
-            for name in ("raw", "feed"):
+            # the feed read exactly its samples' bytes, the raw read every record's, and
+            # so did the shuffled-record floor (HDF5 only: it reads the direct layouts)
+            names = ("raw", "feed", "shuffled") if fmt == "hdf5" else ("raw", "feed")
+            assert ("shuffled_over_raw" in c) is (fmt == "hdf5")
+            for name in names:
                 assert c[name]["MBps"] * 2**20 == pytest.approx(
                     c[name]["samples_per_s"] * per_sample, rel=1e-6)
             assert c["ratio"]["n"] == 1 and c["ratio"]["median"] == pytest.approx(
                 c["feed"]["samples_per_s"] / c["raw"]["samples_per_s"], rel=1e-3)
+            if fmt == "hdf5":
+                assert c["feed_over_shuffled"]["median"] == pytest.approx(
+                    c["feed"]["samples_per_s"] / c["shuffled"]["samples_per_s"], rel=1e-3)
         p = f["profile"]
         assert min(p["us_per_sample"].values()) > 0 and p["top_own_time"]
         assert {"index_lookup", "store_reads", "source_rows", "global_batch_sync",
