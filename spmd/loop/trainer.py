@@ -56,6 +56,7 @@ from spmd.loop.builtin_hooks import (
     PreemptionHook,
     StepClock,
 )
+from spmd.loop.failure_report import exit_status, failure_line, log_to_files
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
 from spmd.loop.profiler_hook import ProfilerHook, profiling
 from spmd.loop.recipe import previous_recipe, restore_state
@@ -373,39 +374,12 @@ def fill_missing(rt: Runtime, restored: Restored) -> TrainState:
 OWN_BOUNDS = frozenset({"checkpoint", "profiler"})  # hooks the hang watchdog does not time
 
 
-def failure_line(e: BaseException) -> str:
-    """`Type: message` of an exception, on one line (the message's first line for others)."""
-    if isinstance(e, SpmdError):
-        return str(e)
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
-def exit_status(e: BaseException) -> int:
-    """The status this process exits with for `e` (as spmd.cli.main gives it)."""
-    if isinstance(e, SpmdError):
-        return int(e.exit_code)
-    if isinstance(e, KeyboardInterrupt):
-        return ExitCode.INTERRUPTED
-    if isinstance(e, SystemExit) and isinstance(e.code, int):
-        return e.code
-    return 1
-
-
 def record_hang(run_dir: Path, events: EventLog, report: HangReport) -> None:
     """The reporting rank's record of a hang: a `hung` event, and run.dir/HUNG, which
     `spmd run` and the job scripts read for the job's status (ExitCode.HUNG: requeue)."""
     events.record("hung", **report.to_dict(), exit_code=int(ExitCode.HUNG))
     (run_dir / HUNG_FILE_NAME).write_text(json.dumps({"line": report.line(),
                                                       **report.to_dict()}) + "\n")
-
-
-def log_to_files(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
-    """`logger.log(level, msg, *args)` into this rank's log files only (not stderr)."""
-    record = logger.makeRecord(logger.name, level, __file__, 0, msg, args, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
-            handler.handle(record)
 
 
 def use_compilation_cache(path: Path) -> None:
