@@ -214,7 +214,7 @@ class FeedEpoch:
     """`global_batch` for every step of one epoch (or its first `steps`), as training calls it."""
 
     def __init__(self, path: Path, grid: int, batch: int, seed: int, prefetch: int,
-                 threads: int, steps: int | None = None):
+                 threads: int, steps: int | None = None, shuffle_block: int | None = None):
         import jax
         import numpy as np
 
@@ -224,7 +224,7 @@ class FeedEpoch:
         from spmd.sharding import rules_for
 
         self.path, self.batch, self.seed = path, batch, seed
-        self.prefetch, self.threads = prefetch, threads
+        self.prefetch, self.threads, self.shuffle_block = prefetch, threads, shuffle_block
         axes = ("batch", "x", "y", "channels")
         self.fields = {n: BatchField((grid, grid, 1), np.float32, axes) for n in ("u0", "u1")}
         self.mesh = build_mesh(MeshConfig(strategy="dp"), jax.devices())
@@ -237,7 +237,8 @@ class FeedEpoch:
 
         return ArraySource(self.path, {"u0": "train/u0", "u1": "train/u1"}, self.fields,
                            self.batch, seed=self.seed, shuffle=True, prefetch=self.prefetch,
-                           read_threads=self.threads, prefetch_until=until)
+                           read_threads=self.threads, prefetch_until=until,
+                           shuffle_block=self.shuffle_block)
 
     def __call__(self) -> dict:
         """Run the steps: samples, bytes read, the caller's total wait."""
@@ -265,7 +266,7 @@ def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) ->
     members = members_of(path)           # builds the index (not timed)
     disk = files_of(path)
     epoch = FeedEpoch(path, args.grid, args.batch, args.seed, args.prefetch,
-                      args.read_threads)
+                      args.read_threads, shuffle_block=args.shuffle_block)
     runners = {"raw": lambda: {"samples": records,
                                "bytes": raw_read(members, ["train/u0", "train/u1"])},
                "feed": epoch}
@@ -484,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", type=int, default=2, help="data.prefetch (default 2)")
     ap.add_argument("--read-threads", type=int, default=1, help="data.read_threads (1)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (3)")
+    ap.add_argument("--shuffle-block", type=int, default=None,
+                    help="data.shuffle_block of the feed (default: unset, a full shuffle)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-cold", dest="cold", action="store_false",
                     help="skip the cold-cache measurements")
@@ -524,6 +527,7 @@ def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
                                 "dtype": "float32", "chunk": "one example"},
                     "feed": {"batch_size": args.batch, "prefetch": args.prefetch,
                              "read_threads": args.read_threads, "shuffle": True,
+                             "shuffle_block": args.shuffle_block,
                              "seed": args.seed},
                     "cold_cache": {"method": "os.posix_fadvise(POSIX_FADV_DONTNEED) on every "
                                              "file after fsync", "requested": args.cold},
@@ -572,6 +576,7 @@ def report(record: dict, args: argparse.Namespace, rows: list, ratios: list[floa
     train, verdict = record["train"], record["verdict"]
     print(f"data throughput ({record['mode']}): {args.mb:g} MiB in {args.files} files per format, "
           f"batch {args.batch}, prefetch {args.prefetch}, read_threads {args.read_threads}, "
+          f"shuffle_block {args.shuffle_block or 'unset (full shuffle)'}, "
           f"{args.reps} interleaved reps after a warm-up")
     print(table(rows))
     for fmt, r in record["formats"].items():

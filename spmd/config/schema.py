@@ -188,6 +188,12 @@ class DataConfig(_Section):
     # read concurrently); more help .npy memory maps on a slow file system.
     prefetch: int = Field(2, ge=0)
     read_threads: int = Field(1, ge=1)
+    # The train split's order: None, a full shuffle of the split every epoch; N, blocks of N
+    # consecutive records visited in a shuffled order, the records of each block shuffled:
+    # a stretch of steps reads one stretch of the files, fetched whole by the readahead
+    # (for small records on a cold cache or a parallel file system). Changing it changes
+    # the order, as the seed does.
+    shuffle_block: int | None = Field(None, ge=1)
     # Trajectory windows instead of stored (input, target) pairs; None: stored examples.
     window: WindowConfig | None = None
     # Train on fields normalized per channel with the statistics `spmd data stats CONFIG`

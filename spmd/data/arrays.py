@@ -7,10 +7,11 @@ axis) holding one array per field, examples along the first axis: e.g.
 
 Invariants:
 - Global row `r` of step `s` is record `order[s * batch_size + r]`, where `order` is
-  grain's epoch-wise seeded shuffle of the split (or file order, `shuffle=False`) repeated
-  forever (spmd.data.order computes it, a batch at a time): a pure function of (seed,
-  step, row), the same for any process count. The position is the step, which the
-  checkpoint holds: a resumed run reads the same batches.
+  grain's epoch-wise seeded shuffle of the split (or file order, `shuffle=False`; or, with
+  `shuffle_block` = data.shuffle_block, blocks of that many consecutive records shuffled
+  and shuffled within) repeated forever (spmd.data.order computes it, a batch at a time):
+  a pure function of (seed, step, row), the same for any process count. The position is
+  the step, which the checkpoint holds: a resumed run reads the same batches.
 - Record `i` of a multi-file dataset is row `i - offset[f]` of the member `f` that holds it
   (members in sorted path order): the same records, in the same order, as one file with
   the members' rows concatenated.
@@ -45,7 +46,7 @@ import numpy as np
 
 from spmd.data.batch import BatchField
 from spmd.data.file_index import FileIndex, load_index
-from spmd.data.order import EpochOrder
+from spmd.data.order import BlockOrder, EpochOrder
 from spmd.data.record_reads import RecordReads
 from spmd.data.stores import ArrayDataError, Store, detect_format, write_arrays
 
@@ -75,13 +76,17 @@ class ArraySource(RecordReads):
                  shuffle: bool = True, count: int | None = None,
                  config_key: str = "data.path", fields_key: str = "data.fields",
                  prefetch: int = 0, read_threads: int = 1, prefetch_until: int | None = None,
-                 max_open: int = 64):
+                 max_open: int = 64, shuffle_block: int | None = None):
         self.path, self.batch_size = Path(path), int(batch_size)
         self.datasets, self.fields = dict(datasets), dict(fields)
         self.where = f"{config_key}={path}"
         self.fields_key = fields_key
         self.prefetch, self.read_threads = int(prefetch), max(1, int(read_threads))
         self.prefetch_until, self.max_open = prefetch_until, max(1, int(max_open))
+        self.shuffle_block = None if shuffle_block is None else int(shuffle_block)
+        if self.shuffle_block is not None and self.shuffle_block < 1:
+            raise ArrayDataError(f"data.shuffle_block={shuffle_block}: give a number of "
+                                 f"records of 1 or more, or leave it unset (a full shuffle)")
         missing = sorted(set(self.fields) - set(self.datasets))
         if missing:
             raise ArrayDataError(f"{self.where}: no dataset path for batch field(s) {missing}; "
@@ -128,7 +133,8 @@ class ArraySource(RecordReads):
         return cls(cfg.data.path, paths, fields, cfg.train.batch_size, seed=cfg.train.seed,
                    shuffle=shuffle, count=count,
                    prefetch=getattr(cfg.data, "prefetch", 0),
-                   read_threads=getattr(cfg.data, "read_threads", 1), prefetch_until=until)
+                   read_threads=getattr(cfg.data, "read_threads", 1), prefetch_until=until,
+                   shuffle_block=getattr(cfg.data, "shuffle_block", None))
 
     # --------------------------------------------------------- checks
 
@@ -138,12 +144,15 @@ class ArraySource(RecordReads):
         return self.check()
 
     @property
-    def index(self) -> EpochOrder:
+    def index(self) -> EpochOrder | BlockOrder:
         """Position in the endless stream -> record index (`index[p]`, `index.records`)."""
         if self._order is None:
             with self._lock:
                 if self._order is None:
-                    self._order = EpochOrder(self.check(), self._seed % 2**32, self._shuffle)
+                    seed = self._seed % 2**32
+                    self._order = (BlockOrder(self.check(), self.shuffle_block, seed)
+                                   if self._shuffle and self.shuffle_block else
+                                   EpochOrder(self.check(), seed, self._shuffle))
         return self._order
 
     @property

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import math
@@ -29,7 +30,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["EpochOrder", "index_shuffle", "seed_seq_words"]
+__all__ = ["BlockOrder", "EpochOrder", "index_shuffle", "seed_seq_words"]
 
 ROUNDS = 4                  # grain's ShuffleMapDataset uses 4 rounds
 MIN_BLOCK_BITS = 16         # grain's smallest cipher block
@@ -183,6 +184,133 @@ class EpochOrder:
             at = keys == key
             i = int(np.argmax(at))
             out[at] = self._block(int(epoch[i]), int(block[i]))[offset[at]]
+        return out
+
+    def __getitem__(self, position: int) -> int:
+        return int(self.records(np.array([position]))[0])
+
+
+def _mix(*words: int) -> int:
+    """A 32-bit seed from several integers (splitmix64 steps): the seed of one block's
+    shuffle, from (seed, epoch, block)."""
+    x = 0
+    for w in words:
+        x = (x + (w & 0xFFFFFFFFFFFFFFFF) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & _M32
+
+
+class BlockOrder:
+    """Position -> record for `data.shuffle_block`: the split is cut into blocks of `block`
+    consecutive records (the last one shorter); every epoch visits the blocks in a shuffled
+    order and the records of each block in a shuffled order. A stretch of steps therefore
+    reads one stretch of the files, which the readahead fetches whole (sequential I/O on a
+    cold cache or a parallel file system), at the price of a shuffle within blocks only.
+
+    Both shuffles sort indices by a splitmix64 hash (`_shuffle`; no NumPy generator, whose
+    streams may change between versions): the blocks' with seed `(seed + epoch) mod 2**32`,
+    each block's with a seed mixed from (seed, epoch, block). Invariants: each epoch reads
+    every record once; `records` is a pure function of (count, block, seed, positions)."""
+
+    CACHED = 16                 # block shuffles kept (a step touches one or two blocks)
+
+    def __init__(self, count: int, block: int, seed: int = 0):
+        if count <= 0 or block <= 0:
+            raise ValueError(f"BlockOrder: count and block must be positive (got {count}, "
+                             f"{block})")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"BlockOrder: seed must lie in [0, 2**32) (got {seed})")
+        self.count, self.block, self.seed = int(count), int(block), int(seed)
+        self.blocks = -(-self.count // self.block)
+        self._visits: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = \
+            collections.OrderedDict()
+        self._within: collections.OrderedDict[tuple[int, int], np.ndarray] = \
+            collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _shuffle(n: int, seed: int) -> np.ndarray:
+        """A permutation of range(n): the indices sorted by a 64-bit hash of (seed, index)
+        (splitmix64 in NumPy: the same numbers on every machine and NumPy version; unlike
+        a cipher over a power-of-two domain it costs the same for any n)."""
+        x = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + \
+            np.uint64((seed * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF)
+        with np.errstate(over="ignore"):
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return np.argsort(x, kind="stable").astype(np.int64)
+
+    def size(self, block: int) -> int:
+        """Records in `block`."""
+        return min(self.block, self.count - block * self.block)
+
+    def visits(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch `epoch`'s blocks in visiting order, and the position (within the epoch)
+        where each visit starts (one more entry: the epoch's end)."""
+        with self._lock:
+            if epoch in self._visits:
+                return self._visits[epoch]
+        order = self._shuffle(self.blocks, (self.seed + epoch) % 2**32)
+        sizes = np.where(order == self.blocks - 1, self.size(self.blocks - 1), self.block)
+        got = (order, np.concatenate([[0], np.cumsum(sizes)]))
+        with self._lock:
+            self._visits[epoch] = got
+            while len(self._visits) > 2:
+                self._visits.popitem(last=False)
+        return got
+
+    def _within_block(self, epoch: int, block: int) -> np.ndarray:
+        key = (epoch, block)
+        with self._lock:
+            got = self._within.get(key)
+            if got is not None:
+                self._within.move_to_end(key)
+                return got
+        got = self._shuffle(self.size(block), _mix(self.seed, epoch, block))
+        with self._lock:
+            self._within[key] = got
+            while len(self._within) > self.CACHED:
+                self._within.popitem(last=False)
+        return got
+
+    def place(self, positions: np.ndarray | range) -> tuple[np.ndarray, np.ndarray,
+                                                             np.ndarray]:
+        """(epoch, block, place in the block's shuffle) of each position."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and positions.min() < 0:
+            raise ValueError(f"BlockOrder: positions must be non-negative "
+                             f"(got {int(positions.min())})")
+        epoch, within = np.divmod(positions, self.count)
+        blocks, offsets = np.empty_like(within), np.empty_like(within)
+        for e in np.unique(epoch).tolist():
+            at = epoch == e
+            order, starts = self.visits(e)
+            slot = np.searchsorted(starts, within[at], side="right") - 1
+            blocks[at] = order[slot]
+            offsets[at] = within[at] - starts[slot]
+        return epoch, blocks, offsets
+
+    def records(self, positions: np.ndarray | range) -> np.ndarray:
+        """The records (int64) read at `positions` (non-negative)."""
+        if isinstance(positions, range) and positions.step == 1 and len(positions) \
+                and positions.start >= 0:          # a step's rows: mostly one block's slice
+            (epoch, lo), (last_epoch, hi) = (divmod(positions.start, self.count),
+                                             divmod(positions.stop - 1, self.count))
+            if epoch == last_epoch:
+                order, starts = self.visits(epoch)
+                slot = bisect.bisect_right(starts, lo) - 1
+                if hi < starts[slot + 1]:
+                    block, first = int(order[slot]), int(starts[slot])
+                    within = self._within_block(epoch, block)[lo - first:hi - first + 1]
+                    return within + block * self.block
+        epoch, blocks, offsets = self.place(positions)
+        out = np.empty_like(offsets)
+        for e, b in {(int(e), int(b)) for e, b in zip(epoch.tolist(), blocks.tolist())}:
+            at = (epoch == e) & (blocks == b)
+            out[at] = b * self.block + self._within_block(e, b)[offsets[at]]
         return out
 
     def __getitem__(self, position: int) -> int:

@@ -15,7 +15,9 @@ Invariants:
   (`_read_error` of the source).
 - Readahead: after a direct read that missed the page cache, each call announces to the
   kernel the records of rows [start, stop) of the steps up to `READAHEAD_STEPS` ahead,
-  once each and never at or past `prefetch_until`, until `COLD_STEPS` steps after the
+  (with data.shuffle_block: up to the end of the block after the one that step falls in)
+  once each and
+  never at or past `prefetch_until`, until `COLD_STEPS` steps after the
   last call that missed for a quarter of its records or more; reads that hit the cache
   announce nothing. The announcing runs in one readahead thread per source, in call order;
   `close` stops it.
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.data.order import BlockOrder
 from spmd.data.stores import Store
 
 __all__ = ["RecordReads"]
@@ -64,7 +67,7 @@ class RecordReads:
             if step > self._cold_until:
                 return
             first = max(step, self._advised.get((start, stop), step)) + 1
-            last = step + self.READAHEAD_STEPS
+            last = self._block_end(step + self.READAHEAD_STEPS)
             if self.prefetch_until is not None:
                 last = min(last, self.prefetch_until - 1)
             if first > last:
@@ -74,6 +77,23 @@ class RecordReads:
             if self._announcer is None:      # one thread: the calls' order is kept
                 self._announcer = ThreadPoolExecutor(1, thread_name_prefix="spmd-readahead")
             self._announced = self._announcer.submit(self._announce, first, last, start, stop)
+
+    def _block_end(self, step: int) -> int:
+        """`step`, or with data.shuffle_block the last step of the block visit after the
+        one that `step` starts in: the readahead then tells whole blocks' records, which
+        lie in one stretch of each file (FileRecords.advise merges them into long reads),
+        one block ahead, so that the next block arrives while this one is read."""
+        order = self.index
+        if not isinstance(order, BlockOrder):
+            return step
+        epoch, within = divmod(step * self.batch_size, order.count)
+        _, starts = order.visits(epoch)
+        slot = int(np.searchsorted(starts, within, "right"))      # 1 + this visit
+        if slot + 1 < len(starts):
+            end = epoch * order.count + int(starts[slot + 1])        # the next visit's end
+        else:                                                        # the next epoch's first
+            end = (epoch + 1) * order.count + int(order.visits(epoch + 1)[1][1])
+        return max(step, (end - 1) // self.batch_size)
 
     def _announce(self, first: int, last: int, start: int, stop: int) -> None:
         """In the readahead thread: tell the kernel the records of rows [start, stop) of

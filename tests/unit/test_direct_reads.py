@@ -272,3 +272,59 @@ def test_a_failing_read_names_its_job(tmp_path):
         assert e.value.job == 1
     finally:
         os.close(fd)
+
+
+def test_neighbouring_records_are_announced_as_one_range(tmp_path, monkeypatch):
+    from spmd.data.direct_reads import FileRecords
+
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
+    store = Store(path, "test")
+    try:
+        reader = store.direct("train/u", "data.fields.u")
+        assert isinstance(reader, FileRecords)
+        told: list[tuple[int, int]] = []
+        monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: told.append((off, n)))
+        size, offset = reader.layout.row_bytes, reader.layout.offset
+        assert all(offset(r + 1) == offset(r) + size for r in range(ROWS - 1))  # contiguous
+        monkeypatch.setattr(direct_reads, "ADVISE_GAP", 0)    # only touching records merge
+        reader.advise([9, 3, 4, 5, 6, 20])
+        assert sorted(told) == [(offset(3), 4 * size), (offset(9), size), (offset(20), size)]
+        told.clear()
+        monkeypatch.setattr(direct_reads, "ADVISE_GAP", 11 * size)  # gaps of <= 11 bridged
+        reader.advise([9, 3, 4, 5, 6, 20])
+        assert told == [(offset(3), 18 * size)]
+    finally:
+        store.close()
+
+
+def test_with_shuffle_block_a_cold_read_announces_whole_blocks(tmp_path, monkeypatch):
+    """data.shuffle_block: the readahead tells the kernel every record of the block being
+    read and of the next one (each once, the step being read aside), so that they are
+    fetched as long reads; an epoch still reads every record once."""
+    from spmd.data.direct_reads import FileRecords
+
+    data = values()
+    path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
+    told: list[int] = []
+    real = FileRecords.advise
+    monkeypatch.setattr(FileRecords, "advise",
+                        lambda self, rows: (told.extend(rows), real(self, rows))[1])
+    monkeypatch.setattr(direct_reads, "_NOWAIT", None)        # every read counts as cold
+    src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1, shuffle_block=8)
+    src.READAHEAD_STEPS = 1
+    first = src.rows(0, 0, 4)["u"][..., 0]
+    src.wait_announced()
+    blocks, _ = src.index.visits(0)
+    want = {r for b in blocks[:2].tolist() for r in range(8 * b, min(8 * b + 8, ROWS))}
+    want -= set(src.record_indices(0, 0, 4))      # read now: announced by the read itself
+    assert set(told) == want and len(told) == len(want)
+    np.testing.assert_array_equal(first, data[src.record_indices(0, 0, 4)])
+    seen = [r for step in range(-(-ROWS // 4)) for r in src.record_indices(step, 0, 4)]
+    assert sorted(seen[:ROWS]) == list(range(ROWS))
+
+
+def test_a_bad_shuffle_block_names_the_key(tmp_path):
+    path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
+    with pytest.raises(ArrayDataError, match="data.shuffle_block=0"):
+        ArraySource(path, {"u": "train/u"}, FIELD, 4, shuffle_block=0)

@@ -193,12 +193,13 @@ def test_errors_name_the_file_the_dataset_and_the_key(tmp_path):
 def test_config_path_may_be_a_directory_or_a_glob(tmp_path):
     write_parts(tmp_path, "hdf5")
     for path in (tmp_path, tmp_path / "part*.h5"):
-        cfg = Config(data=DataConfig(path=path, prefetch=3, read_threads=2),
+        cfg = Config(data=DataConfig(path=path, prefetch=3, read_threads=2, shuffle_block=4),
                      train=TrainConfig(batch_size=BATCH, steps=5))
         src = ArraySource.from_config(cfg, "train", FIELDS, {"u0": "{split}/u0",
                                                              "u1": "{split}/u1"}, shuffle=True)
         assert src.count == N and (src.prefetch, src.read_threads) == (3, 2)
-        assert src.prefetch_until == 5
+        assert src.prefetch_until == 5 and src.shuffle_block == 4
+        assert type(src.index).__name__ == "BlockOrder" and src.index.block == 4
     with pytest.raises(ArrayDataError, match="a glob names many files"):
         write_arrays(tmp_path / "x*.h5", arrays())
 

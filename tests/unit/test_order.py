@@ -8,7 +8,7 @@ import grain
 import numpy as np
 import pytest
 
-from spmd.data.order import EpochOrder, index_shuffle
+from spmd.data.order import BlockOrder, EpochOrder, index_shuffle
 
 
 def grain_order(count: int, seed: int, shuffle: bool = True):
@@ -108,3 +108,37 @@ def test_bad_arguments_are_named() -> None:
         EpochOrder(5, seed=2**32)
     with pytest.raises(ValueError, match="non-negative"):
         EpochOrder(5).records(np.array([-1]))
+
+
+def test_block_order_reads_every_record_once_a_block_at_a_time() -> None:
+    """data.shuffle_block: each epoch is a permutation of the split; the positions of one
+    visit all read one block (a short last block included); epochs visit the blocks in
+    different orders; a step's slice (the fast path) equals the general computation."""
+    count, block = 1000, 64
+    order = BlockOrder(count, block, seed=3)
+    visits = []
+    for epoch in range(3):
+        got = order.records(np.arange(epoch * count, (epoch + 1) * count))
+        assert sorted(got.tolist()) == list(range(count))
+        blocks, starts = order.visits(epoch)
+        for k, b in enumerate(blocks.tolist()):
+            stretch = got[starts[k]:starts[k + 1]]
+            assert set((stretch // block).tolist()) == {b}
+            assert len(stretch) == order.size(b)
+        visits.append(blocks.tolist())
+    assert visits[0] != visits[1] != visits[2]
+    by_steps = np.concatenate([order.records(range(p, min(p + 7, 3 * count)))
+                               for p in range(0, 3 * count, 7)])
+    np.testing.assert_array_equal(by_steps, order.records(np.arange(3 * count)))
+    assert BlockOrder(count, block, seed=3).records(range(5, 40)).tolist() == \
+        order.records(range(5, 40)).tolist()                 # a pure function
+    assert BlockOrder(count, block, seed=4).records(range(64)).tolist() != \
+        order.records(range(64)).tolist()
+
+
+def test_block_order_numbers_are_pinned() -> None:
+    """The hash shuffle is plain integer arithmetic: these numbers must never change (a
+    change would make resumed runs read other batches)."""
+    assert BlockOrder._shuffle(8, 1).tolist() == [7, 4, 1, 3, 0, 6, 2, 5]
+    assert BlockOrder(10, 4, 7).records(range(10)).tolist() == \
+        [3, 2, 1, 0, 6, 7, 4, 5, 9, 8]

@@ -323,6 +323,10 @@ def test_from_config(tmp_path):
     long = WindowSource.from_config(config(), "train", fields("time", target_steps=6),
                                     "{split}/w", target_steps=6, **kw)
     assert long.span == 8 and long.count == 6 and long.rows(0, 0, 2)["v"].shape[1] == 6
+    blocks = WindowSource.from_config(config(shuffle_block=3), "train", fields("time"),
+                                      "{split}/w", **kw)       # windows shuffled in blocks
+    order = [r for step in range(4) for r in blocks.record_indices(step, 0, BATCH)][:8]
+    assert sorted(order) == list(range(8)) and blocks.index.block == 3
     with pytest.raises(ArrayDataError, match=r"'train/other' \(data\.fields\.u\)"):
         WindowSource.from_config(config(fields={"u": "{split}/other"}), "train",
                                  fields("time"), "{split}/w", **kw).check()
