@@ -7,6 +7,9 @@
    - feed: `ArraySource` (seeded shuffle, as training reads it) + `BatchFeed` on a
      1-process mesh, `data.prefetch` / `data.read_threads` defaults (2 / 1): every step of
      one epoch through `global_batch`, blocking on the arrays;
+   - feed without prefetch (`data.prefetch: 0`, with `--prefetch` > 0): the same reads in
+     the caller's thread, reported as no-prefetch / raw (with no step to overlap, as here,
+     prefetch only adds the hand-off between threads);
    - shuffled (HDF5): every record in a seeded random order, one `os.preadv` each from
      16 threads, no other work: the I/O floor of any shuffled record read, reported as
      shuffled / raw and feed / shuffled;
@@ -270,6 +273,9 @@ def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) ->
     runners = {"raw": lambda: {"samples": records,
                                "bytes": raw_read(members, ["train/u0", "train/u1"])},
                "feed": epoch}
+    if args.prefetch:                    # the same reads in the caller's thread
+        runners["feed_sync"] = FeedEpoch(path, args.grid, args.batch, args.seed, 0,
+                                         args.read_threads, shuffle_block=args.shuffle_block)
     shuffled = ShuffledRecords(members, ["train/u0", "train/u1"], args.seed) \
         if fmt in ("hdf5", "netcdf") else None
     if shuffled is not None:
@@ -282,7 +288,7 @@ def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) ->
     applied = args.cold
     for rep in range(args.reps):
         for cache in caches:
-            names = [n for n in ("raw", "feed", "shuffled") if n in runners]
+            names = [n for n in ("raw", "feed", "feed_sync", "shuffled") if n in runners]
             for name in (names if rep % 2 == 0 else names[::-1]):
                 if cache == "cold":
                     applied = drop_cache(disk) and applied
@@ -300,6 +306,9 @@ def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) ->
                          "MBps": did["bytes"] / MB / Stats.of(secs).median}
         rate = {n: [done[n]["samples"] / s for s in seconds[(cache, n)]] for n in done}
         row["ratio"] = Stats.of(paired_ratios(rate["feed"], rate["raw"])).as_dict(4)
+        if "feed_sync" in rate:
+            row["sync_over_raw"] = Stats.of(
+                paired_ratios(rate["feed_sync"], rate["raw"])).as_dict(4)
         if "shuffled" in rate:
             row["shuffled_over_raw"] = Stats.of(
                 paired_ratios(rate["shuffled"], rate["raw"])).as_dict(4)
@@ -534,7 +543,8 @@ def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
                     "targets": {"feed_over_raw": FEED_TARGET, "input_wait_fraction": WAIT_TARGET},
                     "formats": {}}
     rows = [("format", "cache", "raw samples/s", "raw MB/s", "feed samples/s", "feed MB/s",
-             "feed/raw (paired median)", "shuffled/raw", "feed/shuffled")]
+             "feed/raw (paired median)", "no-prefetch/raw", "shuffled/raw",
+             "feed/shuffled")]
     for fmt in formats:
         began = time.perf_counter()
         path, records = make_dataset(root, fmt, args.mb, args.files, args.grid, args.seed)
@@ -552,7 +562,8 @@ def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
                              f"{c['ratio']['median']:.3f} [{c['ratio']['min']:.3f}, "
                              f"{c['ratio']['max']:.3f}]",
                              *(f"{c[k]['median']:.3f}" if k in c else "-"
-                               for k in ("shuffled_over_raw", "feed_over_shuffled"))))
+                               for k in ("sync_over_raw", "shuffled_over_raw",
+                                         "feed_over_shuffled"))))
         shutil.rmtree(path, ignore_errors=True)
     train = train_input_wait(args, root) if args.train_steps > 0 else None
     record["train"] = train

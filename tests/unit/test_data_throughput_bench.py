@@ -59,7 +59,9 @@ def test_quick_feed_against_raw_read_in_both_formats(tmp_path):
             assert c["raw"]["samples_per_s"] > 0 and c["feed"]["samples_per_s"] > 0
             # the feed read exactly its samples' bytes, the raw read every record's, and
             # so did the shuffled-record floor (HDF5 only: it reads the direct layouts)
-            names = ("raw", "feed", "shuffled") if fmt == "hdf5" else ("raw", "feed")
+            names = ("raw", "feed", "feed_sync") + (("shuffled",) if fmt == "hdf5" else ())
+            assert c["sync_over_raw"]["median"] == pytest.approx(
+                c["feed_sync"]["samples_per_s"] / c["raw"]["samples_per_s"], rel=1e-3)
             assert ("shuffled_over_raw" in c) is (fmt == "hdf5")
             for name in names:
                 assert c[name]["MBps"] * 2**20 == pytest.approx(
