@@ -44,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.batch import BatchField
+from spmd.data.batch import BatchField, aligned_empty
 from spmd.data.file_index import FileIndex, load_index
+from spmd.data.member_leases import MemberLeases
 from spmd.data.order import BlockOrder, EpochOrder
 from spmd.data.record_reads import RecordReads
 from spmd.data.stores import ArrayDataError, Store, detect_format, write_arrays
@@ -55,22 +56,12 @@ __all__ = ["ArrayDataError", "ArraySource", "Region", "store_format", "write_arr
 Region = tuple[tuple[int, int], ...]   # [lo, hi) per example axis of one field
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.ndarray:
-    """`np.empty` at an `align`-byte boundary: a batch buffer XLA's CPU client can take
-    without a copy (it aliases 64-byte aligned host arrays; the buffer is never reused)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
 def store_format(path: Path) -> str:
     """'hdf5', 'netcdf', 'zarr' or 'npy', by what is on disk."""
     return detect_format(path)
 
 
-class ArraySource(RecordReads):
+class ArraySource(RecordReads, MemberLeases):
     """The DataSource of named on-disk array fields; rows [start, stop) of the global batch.
 
     `datasets` maps each batch field to its dataset path in the store(s); `fields` are the
@@ -253,49 +244,6 @@ class ArraySource(RecordReads):
             plan[dataset] = (per_channel, rows)
         return plan
 
-    # --------------------------------------------------------- members
-
-    def _member(self, i: int) -> _Lease:
-        return _Lease(self, [i], single=True)
-
-    def _members(self, members: list[int]) -> _Lease:
-        """`with source._members([i, ...]) as stores:` {i: store}, leased with one lock."""
-        return _Lease(self, members, single=False)
-
-    def _acquire(self, members: list[int]) -> dict[int, Store]:
-        with self._lock:
-            stores = {}
-            try:
-                for i in members:
-                    store = self._stores.get(i)
-                    if store is None:
-                        member = self.files.members[i]
-                        store = Store(member.path, self._where(i), member.format)
-                        self._stores[i] = store
-                        self.opened_files.append(str(member.path))
-                    self._stores.move_to_end(i)
-                    self._busy[i] += 1
-                    stores[i] = store
-            except BaseException:
-                self._release(list(stores))
-                raise
-            self._evict()
-            return stores
-
-    def _release(self, members: list[int]) -> None:
-        with self._lock:
-            for i in members:
-                self._busy[i] -= 1
-            self._evict()
-
-    def _evict(self) -> None:
-        """Close the least recently used idle members beyond `max_open`."""
-        excess = len(self._stores) - self.max_open
-        if excess <= 0:
-            return
-        for j in [j for j in self._stores if self._busy[j] <= 0][:max(excess, 0)]:
-            self._stores.pop(j).close()
-
     def locate(self, name: str, record: int) -> tuple[int, int]:
         """(member, row in that member) of record `record` of field `name`."""
         members, rows = self.place(name, np.array([record]))
@@ -419,17 +367,3 @@ class ArraySource(RecordReads):
         self.__dict__.update(state)
         self._setup()
 
-
-class _Lease:
-    """`with source._member(i) as store:` the member open, and not closed while in use
-    (`_members([i, ...])`: {i: store} for several members)."""
-
-    def __init__(self, source: ArraySource, members: list[int], single: bool):
-        self.source, self.members, self.single = source, members, single
-
-    def __enter__(self) -> Any:
-        stores = self.source._acquire(self.members)
-        return stores[self.members[0]] if self.single else stores
-
-    def __exit__(self, *exc: Any) -> None:
-        self.source._release(self.members)
