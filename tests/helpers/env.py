@@ -15,7 +15,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -51,6 +54,18 @@ def run_spmd(*args: str, env: dict[str, str] | None = None, timeout: float = 300
         [sys.executable, "-m", "spmd.cli", *args], capture_output=True, text=True,
         env=env or clean_env(), timeout=timeout, cwd=cwd or REPO,
     )
+
+
+T = TypeVar("T")
+
+
+def side_by_side(*calls: Callable[[], T]) -> list[T]:
+    """Independent calls that each run child processes (runs in separate run dirs), all at
+    once: one job's idle waits (MPI start-up, barriers, a rank's bootstrap) overlap the
+    other's work. Their results in order; the first error is raised."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
 
 
 def require(condition: bool, reason: str) -> None:

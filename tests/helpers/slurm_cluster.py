@@ -179,8 +179,9 @@ SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
-AuthInfo=cred_expire=10
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s,
+# here Slurm's minimum, 5 s: every requeue test waits it out once).
+AuthInfo=cred_expire=5
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -188,6 +189,9 @@ MpiDefault=pmi2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# a requeued job becomes eligible cred_expire + 1 s later, and only a scheduling pass
+# starts it then: the backfill pass, every 30 s by default; every 1 s here
+SchedulerParameters=bf_interval=1
 JobRequeue=1
 ReturnToService=2
 AccountingStorageType=accounting_storage/none

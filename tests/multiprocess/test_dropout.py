@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.helpers.env import REPO, clean_env
+from tests.helpers.env import REPO, clean_env, side_by_side
 from tests.helpers.records import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -58,10 +58,10 @@ def test_dropout_trains_and_resumes_bit_identically_and_like_one_device(tmp_path
     config.write_text(yaml.safe_dump(CONFIG))
     whole, resumed, single = tmp_path / "whole", tmp_path / "resumed", tmp_path / "single"
 
-    spmd(config, whole)
-    spmd(config, resumed, "train.steps=3")               # stops at the checkpoint of step 3
+    side_by_side(lambda: spmd(config, whole),          # independent runs, at once
+                 lambda: spmd(config, resumed, "train.steps=3"),  # stops at step 3's checkpoint
+                 lambda: spmd(config, single, ranks=1, devices=1))
     spmd(config, resumed)                                # and goes on from it
-    spmd(config, single, ranks=1, devices=1)
 
     losses, evals = records(whole)
     assert sorted(losses) == list(range(1, STEPS + 1)) and sorted(evals) == [0, 3, 6]

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from tests.helpers.checkpoint_worker import (
     train_cmd,
     wait_for,
 )
-from tests.helpers.env import run_spmd
+from tests.helpers.env import run_spmd, side_by_side
 from tests.helpers.fault_injection import fault_env
 
 pytestmark = pytest.mark.slow
@@ -112,31 +113,59 @@ def test_a_stopped_rank_is_named_the_job_exits_hung_and_a_rerun_resumes_bit_iden
     last = latest_local(run_dir)
     assert last is not None and last >= 20
     end = last + 10
-    resumed = train(2, run_dir, *LONG, f"train.steps={end}", devices=1)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
     reference = tmp_path / "reference"
-    whole = train(2, reference, *LONG, f"train.steps={end}", devices=1)
+    # the rerun and an undisturbed run of as many steps, side by side (independent dirs)
+    resumed, whole = side_by_side(
+        lambda: train(2, run_dir, *LONG, f"train.steps={end}", devices=1),
+        lambda: train(2, reference, *LONG, f"train.steps={end}", devices=1))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert step_blobs(run_dir, end) == step_blobs(reference, end)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_to_spmd_run_ends_a_stuck_rank_within_the_save_timeout_and_30_s(tmp_path, sig):
-    """What a batch system (SIGTERM) or a closed terminal / Ctrl-C (SIGINT) sends."""
-    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start(run_dir, tag, "launch.step_timeout_s=0", "checkpoint.timeout_s=2")
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+
+
+@pytest.fixture(scope="module")
+def stuck_jobs_signalled(tmp_path_factory) -> dict[str, tuple]:
+    """One job per signal, run side by side (each waits out checkpoint.timeout_s + 30 s with
+    a stopped rank, idle time the two share): name -> (returncode, seconds from the signal to
+    the job's end, stderr, the job's processes still alive after it)."""
+    procs, tags = {}, {}
     try:
-        wait_for(lambda: committed_by_all(run_dir, 10), 120, "local step 10", proc)
-        os.kill(rank_pid(tag, 1), signal.SIGSTOP)
+        for name in SIGNALS:
+            tags[name] = uuid.uuid4().hex
+            run_dir = tmp_path_factory.mktemp(f"stuck_{name}") / "run"
+            procs[name] = (run_dir, start(run_dir, tags[name], "launch.step_timeout_s=0",
+                                          "checkpoint.timeout_s=2"))
+        for run_dir, proc in procs.values():
+            wait_for(lambda d=run_dir: committed_by_all(d, 10), 120, "local step 10", proc)
+        for tag in tags.values():
+            os.kill(rank_pid(tag, 1), signal.SIGSTOP)
         time.sleep(0.5)
-        sent = time.monotonic()
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=2 + 30 + 30)
-        seconds = time.monotonic() - sent
-        left = leftovers(tag)
+
+        def signal_and_wait(name: str) -> tuple:
+            proc = procs[name][1]
+            sent = time.monotonic()
+            proc.send_signal(SIGNALS[name])
+            out, err = proc.communicate(timeout=2 + 30 + 30)
+            seconds = time.monotonic() - sent
+            return proc.returncode, seconds, err, leftovers(tags[name])
+
+        with ThreadPoolExecutor(len(SIGNALS)) as pool:
+            ended = dict(zip(SIGNALS, pool.map(signal_and_wait, SIGNALS), strict=True))
     finally:
-        kill_tagged(tag)
-    assert proc.returncode == 128 + sig, err[-3000:]
+        for tag in tags.values():
+            kill_tagged(tag)
+    return ended
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_spmd_run_ends_a_stuck_rank_within_the_save_timeout_and_30_s(
+        stuck_jobs_signalled, sig):
+    """What a batch system (SIGTERM) or a closed terminal / Ctrl-C (SIGINT) sends."""
+    returncode, seconds, err, left = stuck_jobs_signalled[sig.name]
+    assert returncode == 128 + sig, err[-3000:]
     assert seconds < 2 + 30 + 10, f"{seconds:.0f} s"
     assert f"did not stop within 32 s of {sig.name}" in err
     assert not left

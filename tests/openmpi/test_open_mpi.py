@@ -24,7 +24,7 @@ from tests.helpers.checkpoint_worker import (
     train_cmd,
     wait_for,
 )
-from tests.helpers.env import require, run_spmd
+from tests.helpers.env import require, run_spmd, side_by_side
 from tests.helpers.openmpi import OpenMPIUnavailable, open_mpi, open_mpi_env
 
 pytestmark = pytest.mark.slow
@@ -66,11 +66,13 @@ def test_sigterm_under_open_mpi_saves_exits_75_and_resumes_bit_identical(ompi_en
     assert committed_by_all(run_dir, stop)   # saved where it stopped
 
     end = stop + 10
-    resumed = train(2, run_dir, f"train.steps={end}", *LONG, devices=1, **ompi_env)
+    mpich = tmp_path / "mpich"
+    # the resume under Open MPI and the reference under MPICH, side by side (separate dirs)
+    resumed, reference = side_by_side(
+        lambda: train(2, run_dir, f"train.steps={end}", *LONG, devices=1, **ompi_env),
+        lambda: train(2, mpich, f"train.steps={end}", *LONG, devices=1))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [e["step"] for e in events(run_dir, "restored")] == [stop, stop]
-    mpich = tmp_path / "mpich"
-    reference = train(2, mpich, f"train.steps={end}", *LONG, devices=1)
     assert reference.returncode == 0, reference.stderr[-4000:]
     assert {e["launcher"] for e in events(mpich, "started")} == {"hydra"}
     assert step_blobs(run_dir, end) == step_blobs(mpich, end)

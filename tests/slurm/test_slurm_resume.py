@@ -72,7 +72,7 @@ def test_signalled_job_saves_requeues_and_resumes_bit_identical(slurm_cluster, t
     plain_dir, preempted_dir = tmp_path / "plain", tmp_path / "preempted"
     plain = submit(slurm_cluster, plain_dir)
     job = submit(slurm_cluster, preempted_dir,
-                 *(f"{k}={v}" for k, v in fault_env(stall="10:20").items()))
+                 *(f"{k}={v}" for k, v in fault_env(stall="10:8").items()))
     describe = lambda: slurm_cluster.describe(job)  # noqa: E731
     try:
         in_flight = [preempted_dir / "local" / "10" / f"rank{r:05d}.tmp" / "index.json"
