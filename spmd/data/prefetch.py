@@ -6,144 +6,56 @@ run the parts, and the thread that finishes a step's last part runs its `combine
 feed builds the step's device arrays there: the caller only waits). `get(step)` returns
 the step's result and the seconds the caller waited.
 
+How: one condition variable guards a window of steps, [last requested, + depth]. Each
+read thread takes the lowest step of the window nobody has started (it plans the step,
+then runs its first part) or a part of a started step nobody has taken, runs it, and
+stores the result; the caller waits on the same condition. No future, queue or task
+object per step: a hand-off between threads costs a wake-up each way, which in a loop that
+only fetches batches was a third of the time (docs/performance.md section 7).
+
 Invariants:
 - What a step yields depends only on the step: the parts are the same calls a synchronous
   read makes, so prefetched batches are bit-identical to unprefetched ones, and a resumed
   run (any first step) reads the same batches.
-- At most `depth` steps ahead of the last requested step are in flight; a request for a
-  step that was not read ahead (a resume, a jump) reads it at once and drops what no
-  longer lies ahead. Nothing is read at or beyond `until`.
+- At most `depth` steps ahead of the last requested step are in flight, lowest first; a
+  request for a step that was not read ahead (a resume, a jump) is read before any other
+  and drops what no longer lies ahead. Nothing ahead is read at or beyond `until`.
 - A part's (or combine's) exception is raised by `get` of the step that needs it, in the
   caller's thread, with its own message (which names the file). Steps never asked for
   never raise.
-- Threads are daemons, started on first use; `close()` (also at interpreter exit) cancels
+- Threads are daemons, started on first use; `close()` (also at interpreter exit) drops
   what has not started and never waits for a read in progress beyond a short grace.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 Part = Callable[[], Any]
 Plan = Callable[[int], tuple[list[Part], Callable[[list[Any]], Any]]]
 
-_LIVE: weakref.WeakSet[ReadPool] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
 
-class ReadPool:
-    """`threads` daemon threads running submitted callables (FIFO)."""
+class _Step:
+    """One step in the window: planned by the thread that takes it first; its parts are
+    taken in order (`taken`); `left` counts those not finished."""
 
-    def __init__(self, threads: int, name: str = "spmd-read"):
-        self.threads, self.name = max(1, int(threads)), name
-        self._queue: queue.SimpleQueue[tuple[Future, Part] | None] = queue.SimpleQueue()
-        self._workers: list[threading.Thread] = []
-        self._closed = False
-        self._lock = threading.Lock()
-        _LIVE.add(self)
+    __slots__ = ("parts", "combine", "results", "taken", "left", "done", "value", "error")
 
-    def submit(self, fn: Part) -> Future:
-        future: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self.name}: read pool is closed")
-            if not self._workers:
-                for i in range(self.threads):
-                    t = threading.Thread(target=_work, args=(self._queue,),
-                                         name=f"{self.name}-{i}", daemon=True)
-                    t.start()
-                    self._workers.append(t)
-            self._queue.put((future, fn))
-        return future
-
-    def close(self, grace_s: float = 1.0) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            workers, self._workers = self._workers, []
-        while True:                       # cancel what has not started
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        for _ in workers:
-            self._queue.put(None)
-        deadline = time.monotonic() + grace_s
-        for t in workers:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-
-def _work(jobs: queue.SimpleQueue) -> None:
-    while True:
-        item = jobs.get()
-        if item is None:
-            return
-        future, fn = item
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - re-raised by the step that needs it
-            future.set_exception(e)
-
-
-@atexit.register
-def _close_all() -> None:
-    for pool in list(_LIVE):
-        pool.close(grace_s=0.5)
-
-
-class _Pending:
-    """One step in flight: its parts in the pool; the last part to finish runs `combine`
-    and completes `done` (a part's exception completes it at once)."""
-
-    def __init__(self, parts: list[Part], combine: Callable[[list[Any]], Any], pool: ReadPool):
-        self.done: Future = Future()
-        self.combine = combine
-        self._results: list[Any] = [None] * len(parts)
-        self._left = len(parts)
-        self._lock = threading.Lock()
-        if not parts:
-            self._finish()
-        self.futures = [pool.submit(functools.partial(self._run, k, part))
-                        for k, part in enumerate(parts)]
-
-    def _run(self, k: int, part: Part) -> None:
-        try:
-            value = part()
-        except BaseException as e:  # noqa: BLE001 - raised by get() of the step
-            with self._lock:
-                if not self.done.done():
-                    self.done.set_exception(e)
-            return
-        with self._lock:
-            self._results[k] = value
-            self._left -= 1
-            last = self._left == 0 and not self.done.done()
-        if last:
-            self._finish()
-
-    def _finish(self) -> None:
-        try:
-            result = self.combine(self._results)
-        except BaseException as e:  # noqa: BLE001 - raised by get() of the step
-            self.done.set_exception(e)
-        else:
-            self.done.set_result(result)
-
-    def cancel(self) -> None:
-        for f in self.futures:
-            f.cancel()
+    def __init__(self) -> None:
+        self.parts: list[Part] | None = None          # None: being planned
+        self.combine: Callable[[list[Any]], Any] | None = None
+        self.results: list[Any] = []
+        self.taken = self.left = 0
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
 
 
 class Prefetcher:
@@ -152,38 +64,132 @@ class Prefetcher:
     def __init__(self, plan: Plan, depth: int, threads: int, *, until: int | None = None,
                  name: str = "spmd-read"):
         self.plan, self.depth, self.until = plan, max(0, int(depth)), until
-        self.pool = ReadPool(threads, name)
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()
+        self.threads, self.name = max(1, int(threads)), name
         self.hits = self.misses = 0
+        self._cv = threading.Condition()
+        self._steps: dict[int, _Step] = {}
+        self._want: int | None = None                 # the last requested step
+        self._given: int | None = None                # the last step handed to the caller
+        self._workers: list[threading.Thread] = []
+        self._closed = False
+        _LIVE.add(self)
 
-    def _schedule(self, step: int) -> None:
-        parts, combine = self.plan(step)
-        self._pending[step] = _Pending(parts, combine, self.pool)
+    # ------------------------------------------------------------ the caller
 
     def get(self, step: int) -> tuple[Any, float]:
         """Step `step`'s result and the seconds spent waiting for it; reads ahead."""
-        with self._lock:
-            ahead = range(step + 1, step + 1 + self.depth)
-            for s in [s for s in self._pending if s != step and s not in ahead]:
-                self._pending.pop(s).cancel()
-            if step in self._pending:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the reader is closed")
+            self._want, self._given = step, None
+            for s in [s for s in self._steps if not step <= s <= step + self.depth]:
+                del self._steps[s]                    # no longer ahead (a jump, a resume)
+            if step in self._steps:
                 self.hits += 1
             else:
                 self.misses += 1
-                self._schedule(step)
-            pending = self._pending.pop(step)
-            for s in ahead:
-                if (self.until is None or s < self.until) and s not in self._pending:
-                    self._schedule(s)
-        began = time.perf_counter()
-        result = pending.done.result()
-        waited = time.perf_counter() - began
-        return result, waited
+            if not self._workers:
+                for i in range(self.threads):
+                    t = threading.Thread(target=self._work, name=f"{self.name}-{i}",
+                                         daemon=True)
+                    t.start()
+                    self._workers.append(t)
+            self._cv.notify_all()
+            began = time.perf_counter()
+            while not (self._steps.get(step) or _Step()).done:
+                if self._closed:
+                    raise RuntimeError(f"{self.name}: the reader was closed")
+                self._cv.wait()
+            done = self._steps.pop(step)
+            self._given = step
+            waited = time.perf_counter() - began
+        if done.error is not None:
+            raise done.error
+        return done.value, waited
 
-    def close(self) -> None:
-        with self._lock:
-            for pending in self._pending.values():
-                pending.cancel()
-            self._pending.clear()
-        self.pool.close()
+    def close(self, grace_s: float = 1.0) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._steps.clear()
+            workers, self._workers = self._workers, []
+            self._cv.notify_all()
+        deadline = time.monotonic() + grace_s
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------ the read threads
+
+    def _take(self) -> tuple[int, _Step, int | None] | None:
+        """(step, its record, part to run or None: plan it first), lowest step first;
+        None when the window holds nothing to do. Called holding the condition."""
+        if self._want is None:
+            return None
+        first = self._want + (self._given == self._want)      # not the one handed over
+        for s in range(first, self._want + self.depth + 1):
+            if s > self._want and self.until is not None and s >= self.until:
+                break
+            record = self._steps.get(s)
+            if record is None:
+                record = self._steps[s] = _Step()
+                return s, record, None
+            if record.parts is not None and record.taken < len(record.parts) \
+                    and not record.done:
+                record.taken += 1
+                return s, record, record.taken - 1
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._closed:
+                        return
+                    job = self._take()
+                    if job is not None:
+                        break
+                    self._cv.wait()
+            self._run(*job)
+
+    def _run(self, step: int, record: _Step, part: int | None) -> None:
+        try:
+            if part is None:                          # first taker: plan, then part 0
+                parts, combine = self.plan(step)
+                with self._cv:
+                    record.parts, record.combine = parts, combine
+                    record.results, record.left = [None] * len(parts), len(parts)
+                    record.taken = min(1, len(parts))
+                    if len(parts) > 1:
+                        self._cv.notify_all()         # the other parts are free to take
+                if not parts:
+                    self._finish(record, combine([]), None)
+                    return
+                part = 0
+            value = record.parts[part]()
+        except BaseException as e:  # noqa: BLE001 - raised by get() of the step
+            self._finish(record, None, e)
+            return
+        with self._cv:
+            record.results[part] = value
+            record.left -= 1
+            last = record.left == 0 and not record.done
+        if last:                                      # this thread joins the step
+            try:
+                value = record.combine(record.results)
+            except BaseException as e:  # noqa: BLE001 - raised by get() of the step
+                self._finish(record, None, e)
+                return
+            self._finish(record, value, None)
+
+    def _finish(self, record: _Step, value: Any, error: BaseException | None) -> None:
+        with self._cv:
+            if not record.done:
+                record.value, record.error, record.done = value, error, True
+            self._cv.notify_all()
+
+
+@atexit.register
+def _close_all() -> None:
+    for reader in list(_LIVE):
+        reader.close(grace_s=0.5)

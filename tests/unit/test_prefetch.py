@@ -83,7 +83,7 @@ def test_the_feed_reads_what_the_source_says_and_stops_at_until(data):
     for step in range(3):
         f.global_batch(src, step)
     reader = f._readers[id(src)][1]
-    assert not reader._pending                        # nothing read beyond step 2
+    assert not reader._steps                          # nothing read beyond step 2
     forced = feed(prefetch=0)
     forced.global_batch(src, 0)
     assert not forced._readers                        # BatchFeed(prefetch=0) overrides
