@@ -6,7 +6,7 @@ An uncompressed HDF5 dataset keeps each record's bytes at a fixed place in the f
 contiguous layout at `base + row x row_bytes`, the chunked layout (chunks that hold whole
 records) at its chunk's address plus the row's place in the chunk. `DirectLayout.of`
 finds those places once per file and dataset in a process (remembered by inode, size and
-modification time), from h5py's own chunk query, and `read_rows` reads records with
+modification time), from h5py's own chunk query, and `read_jobs` reads records with
 `os.preadv` straight into the caller's batch buffer. `pread` releases the GIL, so read
 threads do overlap. Records the page cache holds are copied first (`RWF_NOWAIT`); the
 kernel is then told every byte range still missing (`posix_fadvise(WILLNEED)`), so that
@@ -150,7 +150,9 @@ class DirectLayout:
 
 @dataclass(frozen=True)
 class FileRecords:
-    """The records of one HDF5 dataset, read through an open file descriptor."""
+    """The records of one HDF5 dataset, read through an open file descriptor: a caller
+    reads record `row` with `read_jobs` at `(fd, buffer, layout.offset(row))`, together
+    with the records of other files (ArraySource reads a whole call in one `read_jobs`)."""
 
     fd: int
     layout: DirectLayout
@@ -158,24 +160,6 @@ class FileRecords:
     @property
     def dtype(self) -> np.dtype:
         return self.layout.dtype
-
-    def read(self, rows: Any, buffers: list[np.ndarray]) -> tuple[list[int], int]:
-        """Record `rows[k]` (a list or int array) into `buffers[k]` (a C-contiguous record);
-        returns the k left unread (a chunk never written: the caller reads its fill value
-        through h5py) and how many records were not in the page cache."""
-        offsets = self.layout.offsets(rows).tolist()    # one NumPy pass, then a tight loop
-        if min(offsets, default=0) < 0:
-            left = [k for k, off in enumerate(offsets) if off < 0]
-            placed = [k for k, off in enumerate(offsets) if off >= 0]
-        else:
-            left, placed = [], range(len(offsets))
-        fd = self.fd
-        try:
-            misses = read_jobs([(fd, buffers[k], offsets[k]) for k in placed],
-                               self.layout.row_bytes)
-        except ShortRead as e:
-            raise ShortRead(placed[e.job], str(e)) from None
-        return left, misses
 
     def advise(self, rows: list[int]) -> None:
         """Tell the kernel that records `rows` will be read soon (`WILLNEED`): one range

@@ -27,6 +27,8 @@ import collections
 import functools
 import math
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -117,6 +119,29 @@ def index_shuffle(index: np.ndarray, max_index: int, seed: int,
     return out
 
 
+class _Recent:
+    """The last `size` values computed by key (thread safe; a value is computed outside the
+    lock, so two threads may compute the same one: the values are pure functions of the
+    key)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._values: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._values:
+                self._values.move_to_end(key)
+                return self._values[key]
+        value = make()
+        with self._lock:
+            self._values[key] = value
+            while len(self._values) > self.size:
+                self._values.popitem(last=False)
+        return value
+
+
 class EpochOrder:
     """Position in the endless stream -> record: `count` records, epoch by epoch.
 
@@ -133,25 +158,16 @@ class EpochOrder:
         if not 0 <= seed < 2**32:
             raise ValueError(f"EpochOrder: seed must lie in [0, 2**32) (got {seed})")
         self.count, self.seed, self.shuffle = int(count), int(seed), bool(shuffle)
-        self._blocks: collections.OrderedDict[tuple[int, int], np.ndarray] = \
-            collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._blocks = _Recent(self.CACHED)
 
     def _block(self, epoch: int, block: int) -> np.ndarray:
-        key = (epoch, block)
-        with self._lock:
-            got = self._blocks.get(key)
-            if got is not None:
-                self._blocks.move_to_end(key)
-                return got
-        lo = block * self.BLOCK
-        within = np.arange(lo, min(lo + self.BLOCK, self.count), dtype=np.uint64)
-        got = index_shuffle(within, self.count - 1, (self.seed + epoch) % 2**32).astype(np.int64)
-        with self._lock:
-            self._blocks[key] = got
-            while len(self._blocks) > self.CACHED:
-                self._blocks.popitem(last=False)
-        return got
+        def make() -> np.ndarray:
+            lo = block * self.BLOCK
+            within = np.arange(lo, min(lo + self.BLOCK, self.count), dtype=np.uint64)
+            return index_shuffle(within, self.count - 1,
+                                 (self.seed + epoch) % 2**32).astype(np.int64)
+
+        return self._blocks.get((epoch, block), make)
 
     def records(self, positions: np.ndarray | range) -> np.ndarray:
         """The records (int64) read at `positions` (non-negative)."""
@@ -224,11 +240,8 @@ class BlockOrder:
             raise ValueError(f"BlockOrder: seed must lie in [0, 2**32) (got {seed})")
         self.count, self.block, self.seed = int(count), int(block), int(seed)
         self.blocks = -(-self.count // self.block)
-        self._visits: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = \
-            collections.OrderedDict()
-        self._within: collections.OrderedDict[tuple[int, int], np.ndarray] = \
-            collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._visits = _Recent(2)                    # this epoch's and the next one's
+        self._within = _Recent(self.CACHED)
 
     @staticmethod
     def _shuffle(n: int, seed: int) -> np.ndarray:
@@ -250,31 +263,16 @@ class BlockOrder:
     def visits(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Epoch `epoch`'s blocks in visiting order, and the position (within the epoch)
         where each visit starts (one more entry: the epoch's end)."""
-        with self._lock:
-            if epoch in self._visits:
-                return self._visits[epoch]
-        order = self._shuffle(self.blocks, (self.seed + epoch) % 2**32)
-        sizes = np.where(order == self.blocks - 1, self.size(self.blocks - 1), self.block)
-        got = (order, np.concatenate([[0], np.cumsum(sizes)]))
-        with self._lock:
-            self._visits[epoch] = got
-            while len(self._visits) > 2:
-                self._visits.popitem(last=False)
-        return got
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            order = self._shuffle(self.blocks, (self.seed + epoch) % 2**32)
+            sizes = np.where(order == self.blocks - 1, self.size(self.blocks - 1), self.block)
+            return order, np.concatenate([[0], np.cumsum(sizes)])
+
+        return self._visits.get(epoch, make)
 
     def _within_block(self, epoch: int, block: int) -> np.ndarray:
-        key = (epoch, block)
-        with self._lock:
-            got = self._within.get(key)
-            if got is not None:
-                self._within.move_to_end(key)
-                return got
-        got = self._shuffle(self.size(block), _mix(self.seed, epoch, block))
-        with self._lock:
-            self._within[key] = got
-            while len(self._within) > self.CACHED:
-                self._within.popitem(last=False)
-        return got
+        return self._within.get((epoch, block), lambda: self._shuffle(
+            self.size(block), _mix(self.seed, epoch, block)))
 
     def place(self, positions: np.ndarray | range) -> tuple[np.ndarray, np.ndarray,
                                                              np.ndarray]:

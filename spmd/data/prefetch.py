@@ -96,11 +96,11 @@ class Prefetcher:
                     self._workers.append(t)
             self._cv.notify_all()
             began = time.perf_counter()
-            while not (self._steps.get(step) or _Step()).done:
+            while (done := self._steps.get(step)) is None or not done.done:
                 if self._closed:
                     raise RuntimeError(f"{self.name}: the reader was closed")
                 self._cv.wait()
-            done = self._steps.pop(step)
+            del self._steps[step]
             self._given = step
             waited = time.perf_counter() - began
         if done.error is not None:

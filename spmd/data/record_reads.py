@@ -16,10 +16,9 @@ Invariants:
 - Readahead: after a direct read that missed the page cache, each call announces to the
   kernel the records of rows [start, stop) of the steps up to `READAHEAD_STEPS` ahead,
   (with data.shuffle_block: up to the end of the block after the one that step falls in)
-  once each and
-  never at or past `prefetch_until`, until `COLD_STEPS` steps after the
-  last call that missed for a quarter of its records or more; reads that hit the cache
-  announce nothing. The announcing runs in one readahead thread per source, in call order;
+  once each and never at or past `prefetch_until`, until `COLD_STEPS` steps after the last
+  call that missed for a quarter of its records or more; reads that hit the cache announce
+  nothing. The announcing runs in one readahead thread per source, in call order;
   `close` stops it.
 """
 
@@ -31,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from spmd.data import direct_reads
+from spmd.data.direct_reads import FileRecords, ShortRead
 from spmd.data.order import BlockOrder
 from spmd.data.stores import Store
 
@@ -73,7 +74,6 @@ class RecordReads:
             if first > last:
                 return
             self._advised[(start, stop)] = last
-        with self._lock:
             if self._announcer is None:      # one thread: the calls' order is kept
                 self._announcer = ThreadPoolExecutor(1, thread_name_prefix="spmd-readahead")
             self._announced = self._announcer.submit(self._announce, first, last, start, stop)
@@ -134,8 +134,6 @@ class RecordReads:
         `members` and `rows` are int arrays, one entry per batch row. Returns the batch rows
         left to read otherwise (other layouts, never-written chunks), the bytes read and how
         many records were not in the page cache."""
-        from spmd.data.direct_reads import FileRecords, ShortRead, read_jobs
-
         flat = value.reshape(len(rows), -1)
         buffers = list(flat)                       # one view per batch row
         member_of, row_of = members.tolist(), rows.tolist()
@@ -160,7 +158,7 @@ class RecordReads:
             else:
                 by_member.setdefault(m, []).append(i)
         try:
-            missed = read_jobs(jobs, flat.shape[1] * value.itemsize) if jobs else 0
+            missed = direct_reads.read_jobs(jobs, flat.shape[1] * value.itemsize) if jobs else 0
         except ShortRead as e:
             i = placed[e.job]
             raise self._read_error(name, member_of[i], [records[i]], [row_of[i]], e) from None

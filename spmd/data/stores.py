@@ -151,9 +151,10 @@ class Store:
         """A reader of whole records straight from the files' bytes, found once per dataset:
         `spmd.data.direct_reads.FileRecords` for an uncompressed HDF5 / NetCDF4 dataset,
         `spmd.data.zarr_chunks.ChunkRecords` for a Zarr v3 array of one record per chunk;
-        None otherwise (read through `get`). `reader.read(rows, buffers)` returns the
-        records it left and how many missed the page cache; `reader.advise(rows)` tells the
-        kernel they will be read soon."""
+        None otherwise (read through `get`). A FileRecords' records are read with
+        `direct_reads.read_jobs` at its offsets; `ChunkRecords.read(rows, buffers)` returns
+        the records it left and how many missed the page cache; `reader.advise(rows)` (both)
+        tells the kernel they will be read soon."""
         if self.format not in ("hdf5", "netcdf", "zarr"):
             return None
         with self._direct_lock:
