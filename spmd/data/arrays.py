@@ -44,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.batch import BatchField, aligned_empty
+from spmd.data.batch import BatchField
+from spmd.data.buffer_pool import BufferPool
 from spmd.data.file_index import FileIndex, load_index
 from spmd.data.member_leases import MemberLeases
 from spmd.data.order import BlockOrder, EpochOrder
@@ -103,6 +104,7 @@ class ArraySource(RecordReads, MemberLeases):
     def _setup(self) -> None:
         self._advised: dict[tuple[int, int], int] = {}     # rows -> last step told
         self._cold_until = -1                 # readahead runs up to this step (last miss + N)
+        self._buffers = BufferPool()          # batch buffers, used again once released
         self._lock = threading.RLock()
         self._files: FileIndex | None = None
         self._offsets: dict[str, np.ndarray] = {}        # field -> cumulative record counts
@@ -293,7 +295,8 @@ class ArraySource(RecordReads, MemberLeases):
             for name, field in self.fields.items():
                 member_of, row_of = placed[name]
                 box = (region or {}).get(name) or tuple((0, n) for n in field.example_shape)
-                value = aligned_empty((len(records), *(hi - lo for lo, hi in box)), field.dtype)
+                value = self._buffers.empty((len(records), *(hi - lo for lo, hi in box)),
+                                            field.dtype)
                 out[name] = value
                 if not records:
                     continue
@@ -359,7 +362,7 @@ class ArraySource(RecordReads, MemberLeases):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         for k in ("_lock", "_files", "_offsets", "_ndims", "_stores", "_names", "_busy",
-                  "_order", "_checked", "_announcer", "_announced"):
+                  "_order", "_checked", "_announcer", "_announced", "_buffers"):
             state.pop(k, None)
         return state
 

@@ -9,9 +9,13 @@ the step's result and the seconds the caller waited.
 How: one condition variable guards a window of steps, [last requested, + depth]. Each
 read thread takes the lowest step of the window nobody has started (it plans the step,
 then runs its first part) or a part of a started step nobody has taken, runs it, and
-stores the result; the caller waits on the same condition. No future, queue or task
-object per step: a hand-off between threads costs a wake-up each way, which in a loop that
-only fetches batches was a third of the time (docs/performance.md section 7).
+stores the result; the caller waits on a second condition over the same lock. No future,
+queue or task object per step: a hand-off between threads costs a wake-up each way, which
+in a loop that only fetches batches was a third of the time (docs/performance.md section
+7). For the same reason a caller that has to wait (the reads are slower than its steps)
+waits for the whole window, which it then takes without a wake-up per step, but never
+longer than twice what the window takes at the recent pace: a done step is not held back
+by a read that hangs.
 
 Invariants:
 - What a step yields depends only on the step: the parts are the same calls a synchronous
@@ -46,7 +50,8 @@ class _Step:
     """One step in the window: planned by the thread that takes it first; its parts are
     taken in order (`taken`); `left` counts those not finished."""
 
-    __slots__ = ("parts", "combine", "results", "taken", "left", "done", "value", "error")
+    __slots__ = ("parts", "combine", "results", "taken", "left", "done", "value", "error",
+                 "began")
 
     def __init__(self) -> None:
         self.parts: list[Part] | None = None          # None: being planned
@@ -56,6 +61,7 @@ class _Step:
         self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
+        self.began = time.perf_counter()
 
 
 class Prefetcher:
@@ -66,7 +72,12 @@ class Prefetcher:
         self.plan, self.depth, self.until = plan, max(0, int(depth)), until
         self.threads, self.name = max(1, int(threads)), name
         self.hits = self.misses = 0
-        self._cv = threading.Condition()
+        lock = threading.Lock()
+        self._cv = threading.Condition(lock)          # the read threads wait here
+        self._caller = threading.Condition(lock)      # the caller waits here
+        self._awaited: tuple[int, int] | None = None  # (step, last) the caller waits for
+        self._idle = 0                                # read threads waiting for work
+        self._pace_s: float | None = None             # recent seconds per step read
         self._steps: dict[int, _Step] = {}
         self._want: int | None = None                 # the last requested step
         self._given: int | None = None                # the last step handed to the caller
@@ -94,12 +105,12 @@ class Prefetcher:
                                          daemon=True)
                     t.start()
                     self._workers.append(t)
-            self._cv.notify_all()
+            if self._idle:
+                self._cv.notify_all()
             began = time.perf_counter()
-            while (done := self._steps.get(step)) is None or not done.done:
-                if self._closed:
-                    raise RuntimeError(f"{self.name}: the reader was closed")
-                self._cv.wait()
+            if (done := self._steps.get(step)) is None or not done.done:
+                self._wait_for(step, began)
+                done = self._steps[step]
             del self._steps[step]
             self._given = step
             waited = time.perf_counter() - began
@@ -115,9 +126,45 @@ class Prefetcher:
             self._steps.clear()
             workers, self._workers = self._workers, []
             self._cv.notify_all()
+            self._caller.notify_all()
         deadline = time.monotonic() + grace_s
         for t in workers:
             t.join(max(0.0, deadline - time.monotonic()))
+
+    def _wait_for(self, step: int, began: float) -> None:
+        """Wait until `step` is done. Starved (this is a wait), wait for the whole window
+        too, so that the next steps are handed over without a wake-up each; but never
+        longer than twice what reading the window takes at the recent pace (a read that
+        hangs must not hold back a step that is done). Called holding the lock."""
+        last, deadline = step, None
+        if self._pace_s is not None and (self.until is None or step + 1 < self.until):
+            last = step + self.depth if self.until is None \
+                else min(step + self.depth, self.until - 1)
+            deadline = began + 2 * self._pace_s * (last - step + 1)
+        self._awaited = (step, last)
+        try:
+            while not self._ready(*self._awaited):
+                if self._closed:
+                    raise RuntimeError(f"{self.name}: the reader was closed")
+                if deadline is None:
+                    self._caller.wait()
+                elif (left := deadline - time.perf_counter()) > 0:
+                    self._caller.wait(left)
+                else:                                 # past it: this step only
+                    self._awaited, deadline = (step, step), None
+        finally:
+            self._awaited = None
+
+    def _ready(self, step: int, last: int) -> bool:
+        """Whether the caller, waiting for `step`, can go on: the step failed, or it and
+        every step after it up to `last` are done. Called holding the lock."""
+        first = self._steps.get(step)
+        if first is None or not first.done:
+            return False
+        if first.error is not None:
+            return True
+        return all((r := self._steps.get(s)) is not None and r.done
+                   for s in range(step + 1, last + 1))
 
     # ------------------------------------------------------------ the read threads
 
@@ -149,7 +196,9 @@ class Prefetcher:
                     job = self._take()
                     if job is not None:
                         break
+                    self._idle += 1
                     self._cv.wait()
+                    self._idle -= 1
             self._run(*job)
 
     def _run(self, step: int, record: _Step, part: int | None) -> None:
@@ -186,7 +235,11 @@ class Prefetcher:
         with self._cv:
             if not record.done:
                 record.value, record.error, record.done = value, error, True
-            self._cv.notify_all()
+                took = time.perf_counter() - record.began
+                self._pace_s = took if self._pace_s is None else \
+                    0.8 * self._pace_s + 0.2 * took
+            if self._awaited is not None and self._ready(*self._awaited):
+                self._caller.notify()
 
 
 @atexit.register

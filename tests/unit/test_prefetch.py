@@ -218,3 +218,35 @@ def test_the_thread_that_finishes_a_step_combines_it():
         reader.close()
     assert len(combined_in) >= 4
     assert all(name.startswith("t-read") for name in combined_in)
+
+
+def test_a_starved_caller_is_handed_the_whole_window_but_never_waits_on_a_hung_read():
+    """A caller that has to wait waits for the steps after its own too (they then come
+    without a wake-up each); a later step whose read hangs holds a done step back for at
+    most twice the window's time at the recent pace."""
+    from spmd.data.prefetch import Prefetcher
+
+    stuck = threading.Event()
+
+    def plan(step):
+        def part():
+            if step >= 6:
+                stuck.wait(30)                     # a read that hangs (a stuck file system)
+            time.sleep(0.01)
+            return step
+        return [part], lambda results: results[0]
+
+    reader = Prefetcher(plan, depth=3, threads=1, name="t-window")
+    try:
+        assert reader.get(0)[0] == 0               # first step: no pace yet, only step 0
+        value, waited = reader.get(1)              # starved: steps 1..4 handed over at once
+        assert value == 1 and waited > 0.02
+        with reader._cv:
+            assert all(reader._steps[s].done for s in (2, 3, 4))
+        assert all(reader.get(s)[1] < 0.005 for s in (2, 3, 4))
+        began = time.perf_counter()
+        assert reader.get(5)[0] == 5               # 6..8 hang: 5 comes anyway
+        assert time.perf_counter() - began < 1.0
+    finally:
+        stuck.set()
+        reader.close()
