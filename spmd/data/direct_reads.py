@@ -26,8 +26,10 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -48,6 +50,9 @@ _KNOWN_LOCK = threading.Lock()
 WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 ADVISE_GAP = 64 << 10       # records nearer than this are announced as one range
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)     # Linux: read only what the page cache holds
+
+
+TABLE_ROWS = 1 << 22        # DirectLayout.by_row keeps a table up to this many rows (32 MiB)
 
 
 class ShortRead(OSError):
@@ -73,6 +78,18 @@ class DirectLayout:
         chunk, within = divmod(row, self.rows_per_chunk)
         base = int(self.chunk_offsets[chunk])
         return NO_OFFSET if base < 0 else base + within * self.row_bytes
+
+    @functools.cached_property
+    def by_row(self) -> array.array | _ByRow:
+        """`by_row[row]` = `offset(row)`: a table of every row's offset (8 bytes a row,
+        built once; a plain index per record in a read's per-record loop, about 10x
+        cheaper than `offset`) up to TABLE_ROWS rows, else `offset` itself."""
+        rows = len(self.chunk_offsets) * self.rows_per_chunk
+        if rows > TABLE_ROWS:
+            return _ByRow(self.offset)
+        table = array.array("q")
+        table.frombytes(self.offsets(np.arange(rows)).astype(np.int64).tobytes())
+        return table
 
     def offsets(self, rows: np.ndarray) -> np.ndarray:
         """File offsets (int64) of `rows`; NO_OFFSET where the chunk was never written."""
@@ -146,6 +163,16 @@ class DirectLayout:
             if mine.tobytes() != np.asarray(dataset[row]).tobytes():
                 return False
         return True
+
+
+class _ByRow:
+    """`by_row[row]` through `DirectLayout.offset` (a dataset too long for a table)."""
+
+    def __init__(self, offset: Any):
+        self._offset = offset
+
+    def __getitem__(self, row: int) -> int:
+        return self._offset(row)
 
 
 @dataclass(frozen=True)

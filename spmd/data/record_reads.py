@@ -142,19 +142,21 @@ class RecordReads:
         for m in set(member_of):                   # a cast reads through the library
             readers[m] = stores[m].direct(dataset, key) \
                 if stores[m].dtype(dataset, key) == value.dtype else None
+        files = {m: (r.fd, r.layout.by_row) for m, r in readers.items()
+                 if isinstance(r, FileRecords)}
         jobs, placed, left = [], [], []
         by_member: dict[int, list[int]] = {}       # readers of their own (Zarr chunk files)
         for i, m in enumerate(member_of):          # per record: no NumPy call, no grouping
-            reader = readers[m]
-            if reader is None:
-                left.append(i)
-            elif isinstance(reader, FileRecords):
-                off = reader.layout.offset(row_of[i])
+            file = files.get(m)
+            if file is not None:
+                off = file[1][row_of[i]]
                 if off < 0:
                     left.append(i)
                 else:
-                    jobs.append((reader.fd, buffers[i], off))
+                    jobs.append((file[0], buffers[i], off))
                     placed.append(i)
+            elif readers[m] is None:
+                left.append(i)
             else:
                 by_member.setdefault(m, []).append(i)
         try:

@@ -41,9 +41,25 @@ def direct_values(path, dataset="train/u") -> np.ndarray | None:
         out = np.empty(array.shape, reader.layout.dtype)
         jobs = [(reader.fd, out[r], reader.layout.offset(r)) for r in range(array.shape[0])]
         read_jobs(jobs, reader.layout.row_bytes)
+        assert [reader.layout.by_row[r] for r in range(array.shape[0])] == \
+            [job[2] for job in jobs]                       # the table a read looks up
         return out
     finally:
         store.close()
+
+
+def test_a_dataset_too_long_for_an_offset_table_is_read_through_offset(tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setattr(direct_reads, "TABLE_ROWS", 4)
+    data = values()
+    for chunks in (None, (5, *SHAPE)):
+        path = write_h5(tmp_path / f"d{chunks is None}.h5", data, chunks=chunks)
+        np.testing.assert_array_equal(direct_values(path), data)
+        store = Store(path, "test")
+        try:
+            assert isinstance(store.direct("train/u", "k").layout.by_row, direct_reads._ByRow)
+        finally:
+            store.close()
 
 
 @pytest.mark.parametrize("chunks", [None, (1, *SHAPE), (5, *SHAPE), True])
