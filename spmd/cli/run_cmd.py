@@ -41,7 +41,7 @@ from spmd.launch.watchdog import launcher_environ
 MPIEXEC_VAR = "SPMD_MPIEXEC"   # the launcher to use instead of the embedded MPI's mpiexec
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 ENDING = (signal.SIGTERM, signal.SIGINT)   # the ranks save and stop, or are killed
-KILL_AFTER_S = 30.0      # after checkpoint.timeout_s, for ranks that do not end on a signal
+KILL_WAIT_S = 30.0       # launch.kill_wait_s's default, for entries other than train
 DEFAULT_SAVE_S = 600.0   # checkpoint.timeout_s's default, for entries other than train
 # Per-rank variables an outer launcher may have left; inherited, they would make every local
 # rank claim the same identity.
@@ -103,19 +103,20 @@ def mpi_flavor(mpiexec: Path) -> str:
     return "other"
 
 
-def flavor_args(mpiexec: Path, save_s: float = 0.0) -> list[str]:
+def flavor_args(mpiexec: Path, save_s: float = 0.0, kill_wait_s: float = KILL_WAIT_S
+                ) -> list[str]:
     """Options that keep a local job on this machine for the MPI at hand.
 
     `save_s` (checkpoint.timeout_s): Open MPI's mpirun SIGKILLs the ranks 1 s after it
     forwards a SIGTERM (odls_base_sigkill_timeout), too soon for a preemption save; it is
-    given the save's time plus KILL_AFTER_S. Run as root, Open MPI wants --allow-run-as-root.
+    given the save's time plus `kill_wait_s`. Run as root, Open MPI wants --allow-run-as-root.
     """
     flavor = mpi_flavor(mpiexec)
     if flavor == "hydra":  # MPICH / Intel MPI: fork locally, never via srun or ssh
         # the ranks' watchdogs end the survivors of a lost rank themselves, naming it
         return ["-launcher", "fork", "-disable-auto-cleanup"]
     if flavor == "openmpi":
-        grace = int(save_s + KILL_AFTER_S) if save_s else None
+        grace = int(save_s + kill_wait_s) if save_s else None
         # as Hydra's -disable-auto-cleanup: a rank that exits non-zero (75 after a save)
         # does not make mpirun kill the others, which may still be finishing theirs
         return ["--oversubscribe", "--bind-to", "none",
@@ -135,9 +136,9 @@ def child_env(ppn: int) -> dict[str, str]:
     return env
 
 
-def check_lease(config: str, overrides: list[str]) -> tuple[Path, float]:
-    """The config's run.dir and checkpoint.timeout_s; refused at once (LeaseHeld, status 2)
-    when a live run holds the run.dir."""
+def check_lease(config: str, overrides: list[str]) -> tuple[Path, float, float]:
+    """The config's run.dir, checkpoint.timeout_s and launch.kill_wait_s; refused at once
+    (LeaseHeld, status 2) when a live run holds the run.dir."""
     from spmd.config.load import load_config
     from spmd.rundir.lease import LEASE_NAME, LeaseHeld, inspect_lease, refusal
 
@@ -146,7 +147,7 @@ def check_lease(config: str, overrides: list[str]) -> tuple[Path, float]:
     if state is not None and not state.stale:
         raise LeaseHeld(refusal(cfg.run.dir / LEASE_NAME, state.holder,
                                 time.time() - state.heartbeat_age_s, cfg.run.lease_stale_s))
-    return Path(cfg.run.dir), cfg.checkpoint.timeout_s
+    return Path(cfg.run.dir), cfg.checkpoint.timeout_s, cfg.launch.kill_wait_s
 
 
 def kill_job(proc: subprocess.Popen) -> None:
@@ -229,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ppn < 1 or args.n % args.ppn:
         raise SpmdError(f"spmd run: --ppn {args.ppn} does not divide -n {args.n} into equal nodes")
     mpiexec = find_mpiexec()
-    run_dir, save_s = (check_lease(args.config, args.overrides) if args.entry == "train"
-                       else (None, DEFAULT_SAVE_S))
+    run_dir, save_s, kill_wait_s = (check_lease(args.config, args.overrides)
+                                    if args.entry == "train"
+                                    else (None, DEFAULT_SAVE_S, KILL_WAIT_S))
     before = log_sizes(run_dir) if run_dir is not None else {}
     events_before = file_size(run_dir / "events.jsonl") if run_dir is not None else 0
     started = time.time()
@@ -244,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
     rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
                 *(["--debug"] if args.debug else []), *args.entry.split(), args.config,
                 *args.overrides]
-    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, save_s), *rank_cmd]
+    cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, save_s, kill_wait_s),
+           *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
     on_linux = sys.platform == "linux"
@@ -252,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
                             preexec_fn=rank_shim.die_with_parent if on_linux else None)
 
     # SIGTERM/SIGINT: the ranks save and stop; those that have not ended after
-    # checkpoint.timeout_s + 30 s (a stuck rank never reaches the step) are killed. A second
-    # SIGINT (Ctrl-C twice) kills at once.
+    # checkpoint.timeout_s + launch.kill_wait_s (a stuck rank never reaches the step) are
+    # killed. A second SIGINT (Ctrl-C twice) kills at once.
     ending: dict[str, float] = {}
 
     def forward(signum: int, frame: object) -> None:
@@ -262,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
                 ending["deadline"] = 0.0
             ending.setdefault(signal.Signals(signum).name, time.monotonic())
             ending.setdefault("signal", float(signum))
-            ending.setdefault("deadline", time.monotonic() + save_s + KILL_AFTER_S)
+            ending.setdefault("deadline", time.monotonic() + save_s + kill_wait_s)
         try:
             os.killpg(proc.pid, as_sent.get(signum, signum))
         except ProcessLookupError:
@@ -276,9 +279,10 @@ def run(args: argparse.Namespace) -> int:
                 break
             except subprocess.TimeoutExpired:
                 if "deadline" in ending and time.monotonic() >= ending["deadline"]:
-                    print(f"spmd run: the ranks did not stop within {save_s + KILL_AFTER_S:.0f} s"
+                    print(f"spmd run: the ranks did not stop within {save_s + kill_wait_s:.0f} s"
                           f" of {signal.Signals(int(ending['signal'])).name}"
-                          f" (checkpoint.timeout_s={save_s:g} + {KILL_AFTER_S:.0f} s): killing "
+                          f" (checkpoint.timeout_s={save_s:g} + launch.kill_wait_s="
+                          f"{kill_wait_s:g}): killing "
                           "them; resume from the last committed checkpoint", file=sys.stderr,
                           flush=True)
                     kill_job(proc)

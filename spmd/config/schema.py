@@ -246,6 +246,9 @@ class LaunchConfig(_Section):
     # A rank whose host-side step time exceeds this factor x the median over ranks for 3
     # checks in a row (one check every run.log_every steps) is named as a straggler.
     straggler_factor: float = Field(1.3, gt=1)
+    # `spmd run` on SIGTERM/SIGINT: ranks that have not ended checkpoint.timeout_s + this
+    # many seconds after it (a stuck rank never reaches its save) are killed (Slurm's KillWait).
+    kill_wait_s: float = Field(30.0, ge=0)
 
 
 class Config(_Section):
