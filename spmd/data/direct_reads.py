@@ -32,6 +32,7 @@ import errno
 import functools
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,11 @@ ADVISE_GAP = 64 << 10       # records nearer than this are announced as one rang
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)     # Linux: read only what the page cache holds
 
 
-TABLE_ROWS = 1 << 22        # DirectLayout.by_row keeps a table up to this many rows (32 MiB)
+# DirectLayout.by_row: offset tables of up to TABLE_ROWS rows (8 MiB), all of them together
+# in a process at most TABLE_BUDGET bytes; past either, offsets are computed per record.
+TABLE_ROWS = 1 << 20
+TABLE_BUDGET = 256 << 20
+_tables = {"bytes": 0}
 
 
 class ShortRead(OSError):
@@ -83,12 +88,15 @@ class DirectLayout:
     def by_row(self) -> array.array | _ByRow:
         """`by_row[row]` = `offset(row)`: a table of every row's offset (8 bytes a row,
         built once; a plain index per record in a read's per-record loop, about 10x
-        cheaper than `offset`) up to TABLE_ROWS rows, else `offset` itself."""
+        cheaper than `offset`) within TABLE_ROWS and TABLE_BUDGET, else `offset` itself."""
         rows = len(self.chunk_offsets) * self.rows_per_chunk
-        if rows > TABLE_ROWS:
-            return _ByRow(self.offset)
+        with _KNOWN_LOCK:
+            if rows > TABLE_ROWS or _tables["bytes"] + 8 * rows > TABLE_BUDGET:
+                return _ByRow(self.offset)
+            _tables["bytes"] += 8 * rows
         table = array.array("q")
         table.frombytes(self.offsets(np.arange(rows)).astype(np.int64).tobytes())
+        weakref.finalize(table, _release_table, 8 * rows)
         return table
 
     def offsets(self, rows: np.ndarray) -> np.ndarray:
@@ -163,6 +171,11 @@ class DirectLayout:
             if mine.tobytes() != np.asarray(dataset[row]).tobytes():
                 return False
         return True
+
+
+def _release_table(nbytes: int) -> None:
+    with _KNOWN_LOCK:
+        _tables["bytes"] -= nbytes
 
 
 class _ByRow:
