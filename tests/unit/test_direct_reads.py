@@ -48,24 +48,18 @@ def direct_values(path, dataset="train/u") -> np.ndarray | None:
         store.close()
 
 
-def test_a_dataset_too_long_for_an_offset_table_is_read_through_offset(tmp_path,
-                                                                       monkeypatch):
+@pytest.mark.parametrize("limit", ["rows", "budget"])
+def test_a_dataset_past_the_offset_tables_limits_is_read_through_offset(tmp_path,
+                                                                      monkeypatch, limit):
     """Past TABLE_ROWS rows, or past TABLE_BUDGET bytes of tables in the process, offsets
     are computed per record: the same records."""
-    monkeypatch.setattr(direct_reads, "TABLE_ROWS", 4)
+    if limit == "rows":
+        monkeypatch.setattr(direct_reads, "TABLE_ROWS", 4)
+    else:
+        monkeypatch.setattr(direct_reads, "TABLE_BUDGET", direct_reads._tables["bytes"] + 8)
     data = values()
     for chunks in (None, (5, *SHAPE)):
         path = write_h5(tmp_path / f"d{chunks is None}.h5", data, chunks=chunks)
-        np.testing.assert_array_equal(direct_values(path), data)
-        store = Store(path, "test")
-        try:
-            assert isinstance(store.direct("train/u", "k").layout.by_row, direct_reads._ByRow)
-        finally:
-            store.close()
-    monkeypatch.setattr(direct_reads, "TABLE_ROWS", 1 << 20)       # within the rows, but
-    monkeypatch.setattr(direct_reads, "TABLE_BUDGET", direct_reads._tables["bytes"] + 8)
-    for chunks in (None, (5, *SHAPE)):                            # over the budget
-        path = write_h5(tmp_path / f"e{chunks is None}.h5", data, chunks=chunks)
         np.testing.assert_array_equal(direct_values(path), data)
         store = Store(path, "test")
         try:
