@@ -8,7 +8,7 @@ process count assemble the same global batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -43,12 +43,3 @@ class DataSource(Protocol):
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]: ...
 
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.ndarray:
-    """`np.empty` at an `align`-byte boundary: a batch buffer XLA's CPU client can take
-    without a copy (it aliases 64-byte aligned host arrays; the buffer is never reused)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(dtype).reshape(shape)

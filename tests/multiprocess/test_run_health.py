@@ -11,7 +11,6 @@ import signal
 import subprocess
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -155,8 +154,8 @@ def stuck_jobs_signalled(tmp_path_factory) -> dict[str, tuple]:
             seconds = time.monotonic() - sent
             return proc.returncode, seconds, err, leftovers(tags[name])
 
-        with ThreadPoolExecutor(len(SIGNALS)) as pool:
-            ended = dict(zip(SIGNALS, pool.map(signal_and_wait, SIGNALS), strict=True))
+        ended = dict(zip(SIGNALS, side_by_side(
+            *(lambda n=name: signal_and_wait(n) for name in SIGNALS)), strict=True))
     finally:
         for tag in tags.values():
             kill_tagged(tag)

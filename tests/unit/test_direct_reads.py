@@ -354,10 +354,10 @@ def test_a_bad_shuffle_block_names_the_key(tmp_path):
 
 def test_batch_buffers_are_64_byte_aligned(tmp_path):
     """XLA's CPU client takes 64-byte aligned host arrays without a copy."""
-    from spmd.data.batch import aligned_empty
+    from spmd.data.buffer_pool import BufferPool
 
     for shape, dtype in (((3, 5, 7), np.float32), ((1,), np.int8), ((0, 4), np.float64)):
-        a = aligned_empty(shape, dtype)
+        a = BufferPool().empty(shape, dtype)
         assert a.shape == shape and a.dtype == dtype
         assert a.size == 0 or a.ctypes.data % 64 == 0
         assert a.flags.c_contiguous and a.flags.writeable
