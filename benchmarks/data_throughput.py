@@ -217,7 +217,8 @@ class FeedEpoch:
     """`global_batch` for every step of one epoch (or its first `steps`), as training calls it."""
 
     def __init__(self, path: Path, grid: int, batch: int, seed: int, prefetch: int,
-                 threads: int, steps: int | None = None, shuffle_block: int | None = None):
+                 threads: int, steps: int | None = None, shuffle_block: int | str = "auto",
+                 shuffle_mix: int = 16):
         import jax
         import numpy as np
 
@@ -228,6 +229,7 @@ class FeedEpoch:
 
         self.path, self.batch, self.seed = path, batch, seed
         self.prefetch, self.threads, self.shuffle_block = prefetch, threads, shuffle_block
+        self.shuffle_mix = shuffle_mix
         axes = ("batch", "x", "y", "channels")
         self.fields = {n: BatchField((grid, grid, 1), np.float32, axes) for n in ("u0", "u1")}
         self.mesh = build_mesh(MeshConfig(strategy="dp"), jax.devices())
@@ -241,7 +243,7 @@ class FeedEpoch:
         return ArraySource(self.path, {"u0": "train/u0", "u1": "train/u1"}, self.fields,
                            self.batch, seed=self.seed, shuffle=True, prefetch=self.prefetch,
                            read_threads=self.threads, prefetch_until=until,
-                           shuffle_block=self.shuffle_block)
+                           shuffle_block=self.shuffle_block, shuffle_mix=self.shuffle_mix)
 
     def __call__(self) -> dict:
         """Run the steps: samples, bytes read, the caller's total wait."""
@@ -269,13 +271,15 @@ def feed_vs_raw(fmt: str, path: Path, records: int, args: argparse.Namespace) ->
     members = members_of(path)           # builds the index (not timed)
     disk = files_of(path)
     epoch = FeedEpoch(path, args.grid, args.batch, args.seed, args.prefetch,
-                      args.read_threads, shuffle_block=args.shuffle_block)
+                      args.read_threads, shuffle_block=args.shuffle_block,
+                      shuffle_mix=args.shuffle_mix)
     runners = {"raw": lambda: {"samples": records,
                                "bytes": raw_read(members, ["train/u0", "train/u1"])},
                "feed": epoch}
     if args.prefetch:                    # the same reads in the caller's thread
         runners["feed_sync"] = FeedEpoch(path, args.grid, args.batch, args.seed, 0,
-                                         args.read_threads, shuffle_block=args.shuffle_block)
+                                         args.read_threads, shuffle_block=args.shuffle_block,
+                      shuffle_mix=args.shuffle_mix)
     shuffled = ShuffledRecords(members, ["train/u0", "train/u1"], args.seed) \
         if fmt in ("hdf5", "netcdf") else None
     if shuffled is not None:
@@ -484,6 +488,20 @@ def versions() -> dict[str, str]:
             "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "numpy": numpy.__version__}
 
 
+def shuffle_block(text: str) -> int | str:
+    """--shuffle-block: auto, full or a number of records."""
+    if text in ("auto", "full"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"give auto, full or a number of records >= 1, "
+                                         f"not {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=512, help="dataset size in MiB (default 512)")
@@ -494,8 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", type=int, default=2, help="data.prefetch (default 2)")
     ap.add_argument("--read-threads", type=int, default=1, help="data.read_threads (1)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (3)")
-    ap.add_argument("--shuffle-block", type=int, default=None,
-                    help="data.shuffle_block of the feed (default: unset, a full shuffle)")
+    ap.add_argument("--shuffle-block", type=shuffle_block, default="auto",
+                    help="data.shuffle_block of the feed: auto (the default: blocks of about "
+                         "4 MiB), full (a full shuffle) or a number of records")
+    ap.add_argument("--shuffle-mix", type=int, default=16,
+                    help="data.shuffle_mix of the feed: blocks read at a time (default 16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-cold", dest="cold", action="store_false",
                     help="skip the cold-cache measurements")
@@ -537,6 +558,7 @@ def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
                     "feed": {"batch_size": args.batch, "prefetch": args.prefetch,
                              "read_threads": args.read_threads, "shuffle": True,
                              "shuffle_block": args.shuffle_block,
+                             "shuffle_mix": args.shuffle_mix,
                              "seed": args.seed},
                     "cold_cache": {"method": "os.posix_fadvise(POSIX_FADV_DONTNEED) on every "
                                              "file after fsync", "requested": args.cold},
@@ -587,7 +609,7 @@ def report(record: dict, args: argparse.Namespace, rows: list, ratios: list[floa
     train, verdict = record["train"], record["verdict"]
     print(f"data throughput ({record['mode']}): {args.mb:g} MiB in {args.files} files per format, "
           f"batch {args.batch}, prefetch {args.prefetch}, read_threads {args.read_threads}, "
-          f"shuffle_block {args.shuffle_block or 'unset (full shuffle)'}, "
+          f"shuffle_block {args.shuffle_block}, shuffle_mix {args.shuffle_mix}, "
           f"{args.reps} interleaved reps after a warm-up")
     print(table(rows))
     for fmt, r in record["formats"].items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
@@ -188,12 +188,16 @@ class DataConfig(_Section):
     # read concurrently); more help .npy memory maps on a slow file system.
     prefetch: int = Field(2, ge=0)
     read_threads: int = Field(1, ge=1)
-    # The train split's order: None, a full shuffle of the split every epoch; N, blocks of N
-    # consecutive records visited in a shuffled order, the records of each block shuffled:
-    # a stretch of steps reads one stretch of the files, fetched whole by the readahead
-    # (for small records on a cold cache or a parallel file system). Changing it changes
-    # the order, as the seed does.
-    shuffle_block: int | None = Field(None, ge=1)
+    # The train split's order (docs/data.md): the split is cut into blocks of
+    # `shuffle_block` consecutive records, visited in a shuffled order `shuffle_mix` blocks
+    # at a time, the records of those blocks shuffled together: each batch draws from
+    # `shuffle_mix` places of the split, and the readahead reads each block whole (long
+    # reads on a cold cache or a parallel file system). auto: blocks of about 4 MiB of
+    # records (records of 4 MiB or more: full); full (or null): no blocks, a full shuffle of
+    # the split every epoch (grain's). Changing either changes the order, as the seed does;
+    # a resumed run keeps its own order unless they are set (spmd.loop.recipe).
+    shuffle_block: Annotated[int, Field(ge=1)] | Literal["auto", "full"] | None = "auto"
+    shuffle_mix: int = Field(16, ge=1)
     # Trajectory windows instead of stored (input, target) pairs; None: stored examples.
     window: WindowConfig | None = None
     # Train on fields normalized per channel with the statistics `spmd data stats CONFIG`

@@ -7,9 +7,11 @@ axis) holding one array per field, examples along the first axis: e.g.
 
 Invariants:
 - Global row `r` of step `s` is record `order[s * batch_size + r]`, where `order` is
-  grain's epoch-wise seeded shuffle of the split (or file order, `shuffle=False`; or, with
-  `shuffle_block` = data.shuffle_block, blocks of that many consecutive records shuffled
-  and shuffled within) repeated forever (spmd.data.order computes it, a batch at a time):
+  the split's seeded shuffle (file order with `shuffle=False`): `shuffle_block` =
+  data.shuffle_block blocks of consecutive records (auto: about 4 MiB of them; full: no
+  blocks, grain's epoch-wise shuffle), visited `shuffle_mix` = data.shuffle_mix at a time,
+  the records of those shuffled together, repeated forever (spmd.data.order computes it, a
+  batch at a time):
   a pure function of (seed, step, row), the same for any process count. The position is
   the step, which the checkpoint holds: a resumed run reads the same batches.
 - Record `i` of a multi-file dataset is row `i - offset[f]` of the member `f` that holds it
@@ -48,7 +50,7 @@ from spmd.data.batch import BatchField
 from spmd.data.buffer_pool import BufferPool
 from spmd.data.file_index import FileIndex, load_index
 from spmd.data.member_leases import MemberLeases
-from spmd.data.order import BlockOrder, EpochOrder
+from spmd.data.order import BlockOrder, EpochOrder, make_order
 from spmd.data.record_reads import RecordReads
 from spmd.data.stores import ArrayDataError, Store, detect_format, write_arrays
 
@@ -78,17 +80,23 @@ class ArraySource(RecordReads, MemberLeases):
                  shuffle: bool = True, count: int | None = None,
                  config_key: str = "data.path", fields_key: str = "data.fields",
                  prefetch: int = 0, read_threads: int = 1, prefetch_until: int | None = None,
-                 max_open: int = 64, shuffle_block: int | None = None):
+                 max_open: int = 64, shuffle_block: int | str | None = "auto",
+                 shuffle_mix: int = 16):
         self.path, self.batch_size = Path(path), int(batch_size)
         self.datasets, self.fields = dict(datasets), dict(fields)
         self.where = f"{config_key}={path}"
         self.fields_key = fields_key
         self.prefetch, self.read_threads = int(prefetch), max(1, int(read_threads))
         self.prefetch_until, self.max_open = prefetch_until, max(1, int(max_open))
-        self.shuffle_block = None if shuffle_block is None else int(shuffle_block)
-        if self.shuffle_block is not None and self.shuffle_block < 1:
+        self.shuffle_block, self.shuffle_mix = shuffle_block, int(shuffle_mix)
+        if not (shuffle_block in (None, "auto", "full") or
+                isinstance(shuffle_block, int) and shuffle_block >= 1):
             raise ArrayDataError(f"data.shuffle_block={shuffle_block}: give a number of "
-                                 f"records of 1 or more, or leave it unset (a full shuffle)")
+                                 f"records of 1 or more, auto (blocks of about 4 MiB) or "
+                                 f"full (a full shuffle)")
+        if self.shuffle_mix < 1:
+            raise ArrayDataError(f"data.shuffle_mix={shuffle_mix}: give the number of blocks "
+                                 f"read at a time, 1 or more")
         missing = sorted(set(self.fields) - set(self.datasets))
         if missing:
             raise ArrayDataError(f"{self.where}: no dataset path for batch field(s) {missing}; "
@@ -137,7 +145,8 @@ class ArraySource(RecordReads, MemberLeases):
                    shuffle=shuffle, count=count,
                    prefetch=getattr(cfg.data, "prefetch", 0),
                    read_threads=getattr(cfg.data, "read_threads", 1), prefetch_until=until,
-                   shuffle_block=getattr(cfg.data, "shuffle_block", None))
+                   shuffle_block=getattr(cfg.data, "shuffle_block", "auto"),
+                   shuffle_mix=getattr(cfg.data, "shuffle_mix", 16))
 
     # --------------------------------------------------------- checks
 
@@ -152,11 +161,18 @@ class ArraySource(RecordReads, MemberLeases):
         if self._order is None:
             with self._lock:
                 if self._order is None:
-                    seed = self._seed % 2**32
-                    self._order = (BlockOrder(self.check(), self.shuffle_block, seed)
-                                   if self._shuffle and self.shuffle_block else
-                                   EpochOrder(self.check(), seed, self._shuffle))
+                    self._order = make_order(
+                        self.check(), self._seed % 2**32, shuffle=self._shuffle,
+                        block=self.shuffle_block, mix=self.shuffle_mix,
+                        record_bytes=self.record_bytes)
         return self._order
+
+    @property
+    def record_bytes(self) -> int:
+        """The bytes of one example, all fields (as the task declares them, whatever slab
+        a process reads: the order is the same on every process)."""
+        return sum(int(np.prod(f.example_shape)) * f.dtype.itemsize
+                   for f in self.fields.values())
 
     @property
     def files(self) -> FileIndex:

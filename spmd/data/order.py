@@ -32,13 +32,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BlockOrder", "EpochOrder", "index_shuffle", "seed_seq_words"]
+__all__ = ["AUTO_BLOCK_BYTES", "BlockOrder", "EpochOrder", "auto_block", "index_shuffle",
+           "make_order", "seed_seq_words"]
 
 ROUNDS = 4                  # grain's ShuffleMapDataset uses 4 rounds
 MIN_BLOCK_BITS = 16         # grain's smallest cipher block
 VECTOR_WALKS = 256          # most cycle-walk steps done with NumPy ...
 FEW_LEFT = 32               # ... while more than this many indices still walk
 _M32 = 0xFFFFFFFF
+# data.shuffle_block: auto: blocks of about this many bytes of records (all fields), so
+# that the readahead reads each field's stretch of a block in long reads (with blocks this
+# size a cold split of 16 KiB records reads as fast as whole files here: docs/performance.md
+# section 7); at most AUTO_BLOCK_MAX records (a group's index: mix x 64 K x 8 bytes).
+AUTO_BLOCK_BYTES = 4 << 20
+AUTO_BLOCK_MAX = 1 << 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,29 +226,36 @@ def _mix(*words: int) -> int:
 
 
 class BlockOrder:
-    """Position -> record for `data.shuffle_block`: the split is cut into blocks of `block`
-    consecutive records (the last one shorter); every epoch visits the blocks in a shuffled
-    order and the records of each block in a shuffled order. A stretch of steps therefore
-    reads one stretch of the files, which the readahead fetches whole (sequential I/O on a
-    cold cache or a parallel file system), at the price of a shuffle within blocks only.
+    """Position -> record for `data.shuffle_block` / `data.shuffle_mix`: the split is cut
+    into blocks of `block` consecutive records (the last one shorter); every epoch visits
+    the blocks in a shuffled order, `mix` at a time (a group), and reads the records of a
+    group's blocks in a shuffled order. A stretch of steps therefore reads `mix` stretches
+    of the files, which the readahead fetches whole (long reads on a cold cache or a
+    parallel file system), while each batch draws from `mix` places of the split: the
+    shards-and-interleave shuffle of WebDataset, tf.data's `interleave(cycle_length=mix)`
+    and MosaicML Streaming's block shuffle.
 
     Both shuffles sort indices by a splitmix64 hash (`_shuffle`; no NumPy generator, whose
     streams may change between versions): the blocks' with seed `(seed + epoch) mod 2**32`,
-    each block's with a seed mixed from (seed, epoch, block). Invariants: each epoch reads
-    every record once; `records` is a pure function of (count, block, seed, positions)."""
+    each group's records with a seed mixed from (seed, epoch, the group's blocks).
+    Invariants: each epoch reads every record once; `records` is a pure function of (count,
+    block, mix, seed, positions); `mix=1` is the order of spmd's first block shuffle (each
+    block's records shuffled on their own), so runs made with it resume on the same
+    batches."""
 
-    CACHED = 16                 # block shuffles kept (a step touches one or two blocks)
+    CACHED = 4                  # group shuffles kept (a step touches one or two groups)
 
-    def __init__(self, count: int, block: int, seed: int = 0):
-        if count <= 0 or block <= 0:
-            raise ValueError(f"BlockOrder: count and block must be positive (got {count}, "
-                             f"{block})")
+    def __init__(self, count: int, block: int, seed: int = 0, mix: int = 1):
+        if count <= 0 or block <= 0 or mix <= 0:
+            raise ValueError(f"BlockOrder: count, block and mix must be positive (got "
+                             f"{count}, {block}, {mix})")
         if not 0 <= seed < 2**32:
             raise ValueError(f"BlockOrder: seed must lie in [0, 2**32) (got {seed})")
         self.count, self.block, self.seed = int(count), int(block), int(seed)
+        self.mix = int(mix)
         self.blocks = -(-self.count // self.block)
         self._visits = _Recent(2)                    # this epoch's and the next one's
-        self._within = _Recent(self.CACHED)
+        self._groups = _Recent(self.CACHED)
 
     @staticmethod
     def _shuffle(n: int, seed: int) -> np.ndarray:
@@ -261,55 +275,72 @@ class BlockOrder:
         return min(self.block, self.count - block * self.block)
 
     def visits(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Epoch `epoch`'s blocks in visiting order, and the position (within the epoch)
-        where each visit starts (one more entry: the epoch's end)."""
+        """Epoch `epoch`'s blocks in visiting order (group `g` holds entries
+        `g * mix .. g * mix + mix - 1`), and the position (within the epoch) where each
+        group's visit starts (one more entry: the epoch's end)."""
         def make() -> tuple[np.ndarray, np.ndarray]:
             order = self._shuffle(self.blocks, (self.seed + epoch) % 2**32)
             sizes = np.where(order == self.blocks - 1, self.size(self.blocks - 1), self.block)
-            return order, np.concatenate([[0], np.cumsum(sizes)])
+            sums = np.add.reduceat(sizes, np.arange(0, self.blocks, self.mix))
+            return order, np.concatenate([[0], np.cumsum(sums)])
 
         return self._visits.get(epoch, make)
 
-    def _within_block(self, epoch: int, block: int) -> np.ndarray:
-        return self._within.get((epoch, block), lambda: self._shuffle(
-            self.size(block), _mix(self.seed, epoch, block)))
+    def _group(self, epoch: int, group: int) -> np.ndarray:
+        """The records of epoch `epoch`'s group `group`, in the order they are read."""
+        def make() -> np.ndarray:
+            blocks = self.visits(epoch)[0][group * self.mix:(group + 1) * self.mix].tolist()
+            members = np.concatenate([np.arange(b * self.block, b * self.block + self.size(b),
+                                                dtype=np.int64) for b in blocks])
+            return members[self._shuffle(members.size, _mix(self.seed, epoch, *blocks))]
 
-    def place(self, positions: np.ndarray | range) -> tuple[np.ndarray, np.ndarray,
-                                                             np.ndarray]:
-        """(epoch, block, place in the block's shuffle) of each position."""
+        return self._groups.get((epoch, group), make)
+
+    def records(self, positions: np.ndarray | range) -> np.ndarray:
+        """The records (int64) read at `positions` (non-negative)."""
+        if isinstance(positions, range) and positions.step == 1 and len(positions) \
+                and positions.start >= 0:          # a step's rows: mostly one group's slice
+            (epoch, lo), (last_epoch, hi) = (divmod(positions.start, self.count),
+                                             divmod(positions.stop - 1, self.count))
+            if epoch == last_epoch:
+                starts = self.visits(epoch)[1]
+                group = bisect.bisect_right(starts, lo) - 1
+                if hi < starts[group + 1]:
+                    first = int(starts[group])
+                    return self._group(epoch, group)[lo - first:hi - first + 1].copy()
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and positions.min() < 0:
             raise ValueError(f"BlockOrder: positions must be non-negative "
                              f"(got {int(positions.min())})")
         epoch, within = np.divmod(positions, self.count)
-        blocks, offsets = np.empty_like(within), np.empty_like(within)
+        out = np.empty_like(within)
         for e in np.unique(epoch).tolist():
-            at = epoch == e
-            order, starts = self.visits(e)
-            slot = np.searchsorted(starts, within[at], side="right") - 1
-            blocks[at] = order[slot]
-            offsets[at] = within[at] - starts[slot]
-        return epoch, blocks, offsets
-
-    def records(self, positions: np.ndarray | range) -> np.ndarray:
-        """The records (int64) read at `positions` (non-negative)."""
-        if isinstance(positions, range) and positions.step == 1 and len(positions) \
-                and positions.start >= 0:          # a step's rows: mostly one block's slice
-            (epoch, lo), (last_epoch, hi) = (divmod(positions.start, self.count),
-                                             divmod(positions.stop - 1, self.count))
-            if epoch == last_epoch:
-                order, starts = self.visits(epoch)
-                slot = bisect.bisect_right(starts, lo) - 1
-                if hi < starts[slot + 1]:
-                    block, first = int(order[slot]), int(starts[slot])
-                    within = self._within_block(epoch, block)[lo - first:hi - first + 1]
-                    return within + block * self.block
-        epoch, blocks, offsets = self.place(positions)
-        out = np.empty_like(offsets)
-        for e, b in {(int(e), int(b)) for e, b in zip(epoch.tolist(), blocks.tolist())}:
-            at = (epoch == e) & (blocks == b)
-            out[at] = b * self.block + self._within_block(e, b)[offsets[at]]
+            at = np.flatnonzero(epoch == e)
+            starts = self.visits(e)[1]
+            groups = np.searchsorted(starts, within[at], side="right") - 1
+            for g in np.unique(groups).tolist():
+                these = at[groups == g]
+                out[these] = self._group(e, g)[within[these] - starts[g]]
         return out
 
     def __getitem__(self, position: int) -> int:
         return int(self.records(np.array([position]))[0])
+
+
+def auto_block(record_bytes: int) -> int:
+    """The block `data.shuffle_block: auto` takes for records of `record_bytes` bytes: 1
+    (a full shuffle) for records of AUTO_BLOCK_BYTES or more, each read long already."""
+    return int(min(AUTO_BLOCK_MAX, max(1, AUTO_BLOCK_BYTES // max(1, int(record_bytes)))))
+
+
+def make_order(count: int, seed: int, *, shuffle: bool = True, block: int | str | None = None,
+               mix: int = 1, record_bytes: int = 0) -> EpochOrder | BlockOrder:
+    """The order of a split as `data.shuffle_block` (`block`: "full", None or 1: grain's
+    full shuffle; N: blocks of N records; "auto": `auto_block(record_bytes)`) and
+    `data.shuffle_mix` (`mix`: blocks read at a time) say. An unshuffled split (eval) is
+    file order whatever they say."""
+    if block == "auto":
+        block = auto_block(record_bytes)
+    if not shuffle or block in (None, "full", 1):
+        return EpochOrder(count, seed, shuffle)
+    return BlockOrder(count, int(block), seed, mix)

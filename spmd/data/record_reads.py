@@ -15,7 +15,8 @@ Invariants:
   (`_read_error` of the source).
 - Readahead: after a direct read that missed the page cache, each call announces to the
   kernel the records of rows [start, stop) of the steps up to `READAHEAD_STEPS` ahead,
-  (with data.shuffle_block: up to the end of the block after the one that step falls in)
+  (with blocks, data.shuffle_block: up to the end of the group of data.shuffle_mix blocks
+  after the one that step falls in)
   once each and never at or past `prefetch_until`, until `COLD_STEPS` steps after the last
   call that missed for a quarter of its records or more; reads that hit the cache announce
   nothing. The announcing runs in one readahead thread per source, in call order;
@@ -79,16 +80,17 @@ class RecordReads:
             self._announced = self._announcer.submit(self._announce, first, last, start, stop)
 
     def _block_end(self, step: int) -> int:
-        """`step`, or with data.shuffle_block the last step of the block visit after the
-        one that `step` starts in: the readahead then tells whole blocks' records, which
-        lie in one stretch of each file (FileRecords.advise merges them into long reads),
-        one block ahead, so that the next block arrives while this one is read."""
+        """`step`, or with blocks (data.shuffle_block) the last step of the group visit after
+        the one that `step` starts in: the readahead then tells whole blocks' records,
+        which lie in one stretch of each file each (FileRecords.advise merges them into
+        long reads), one group of data.shuffle_mix blocks ahead, so that the next group
+        arrives while this one is read."""
         order = self.index
         if not isinstance(order, BlockOrder):
             return step
         epoch, within = divmod(step * self.batch_size, order.count)
         _, starts = order.visits(epoch)
-        slot = int(np.searchsorted(starts, within, "right"))      # 1 + this visit
+        slot = int(np.searchsorted(starts, within, "right"))      # 1 + this group
         if slot + 1 < len(starts):
             end = epoch * order.count + int(starts[slot + 1])        # the next visit's end
         else:                                                        # the next epoch's first

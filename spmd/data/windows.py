@@ -69,7 +69,8 @@ class WindowSource(ArraySource):
                  shuffle: bool = True, count: int | None = None, config_key: str = "data.path",
                  fields_key: str = "data.fields", window_key: str = "data.window",
                  prefetch: int = 0, read_threads: int = 1, prefetch_until: int | None = None,
-                 max_open: int = 64, shuffle_block: int | None = None):
+                 max_open: int = 64, shuffle_block: int | str | None = "auto",
+                 shuffle_mix: int = 16):
         self.dataset, self.layout, self.window_key = dataset, layout, window_key
         self.input_name, self.target_name = input_name, target_name
         self.input_steps, self.target_steps = int(input_steps), int(target_steps)
@@ -89,7 +90,8 @@ class WindowSource(ArraySource):
                          batch_size, seed=seed, shuffle=shuffle, count=count,
                          config_key=config_key, fields_key=fields_key, prefetch=prefetch,
                          read_threads=read_threads, prefetch_until=prefetch_until,
-                         max_open=max_open, shuffle_block=shuffle_block)
+                         max_open=max_open, shuffle_block=shuffle_block,
+                         shuffle_mix=shuffle_mix)
 
     def _frame(self, fields: Mapping[str, BatchField], fields_key: str) -> tuple[int, ...]:
         """The shape of one stored frame, from the layout and the fields' example shapes."""
@@ -157,7 +159,8 @@ class WindowSource(ArraySource):
                    stride=window.stride, layout=layout, seed=cfg.train.seed, shuffle=shuffle,
                    count=count, prefetch=getattr(cfg.data, "prefetch", 0),
                    read_threads=getattr(cfg.data, "read_threads", 1), prefetch_until=until,
-                   shuffle_block=getattr(cfg.data, "shuffle_block", None))
+                   shuffle_block=getattr(cfg.data, "shuffle_block", "auto"),
+                   shuffle_mix=getattr(cfg.data, "shuffle_mix", 16))
 
     # --------------------------------------------------------- the windows
 

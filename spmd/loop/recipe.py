@@ -15,6 +15,12 @@ config builds); every rank reads it first (`previous_recipe`). On restore (`rest
   `params_only` is on (a job that switched optimizers and ended before its first save) also
   falls back to the parameters.
 - Another `optimizer.name` without it: a one-line error naming both names.
+
+The data order (`data.shuffle_block`, `data.shuffle_mix`) is the run's own: a job whose
+config leaves both keys unset reads the batches the previous job would have read
+(`keep_data_order`), whatever this version's defaults are; a config.yaml written before
+`data.shuffle_mix` existed read blocks one at a time and, unset, shuffled in full. A job
+that sets them otherwise trains on with the new order, with a warning.
 """
 
 from __future__ import annotations
@@ -69,15 +75,22 @@ def _recipe_values(optimizer: dict, schedule: dict, steps: Any) -> dict[str, Any
     return out
 
 
-def previous_recipe(run_dir: Path) -> Recipe | None:
-    """The recipe of the run directory's config.yaml (the previous job's), None if there is
-    none or it does not read (old keys are read as their new ones, silently)."""
+def _previous_config(run_dir: Path) -> dict | None:
+    """The run directory's config.yaml (the previous job's) as a dict, None if there is none
+    or it does not read (old keys are read as their new ones, silently)."""
     path = Path(run_dir) / CONFIG_FILE
     try:
         raw = migrate_deprecated(yaml.safe_load(path.read_text()), warn=False)
     except (OSError, yaml.YAMLError, ValueError):
         return None
-    if not isinstance(raw, dict):
+    return raw if isinstance(raw, dict) else None
+
+
+def previous_recipe(run_dir: Path) -> Recipe | None:
+    """The recipe of the run directory's config.yaml (the previous job's), None if there is
+    none or it does not read."""
+    raw = _previous_config(run_dir)
+    if raw is None:
         return None
     sections = []
     for key, cls in (("optimizer", OptimizerConfig), ("schedule", ScheduleConfig)):
@@ -89,6 +102,48 @@ def previous_recipe(run_dir: Path) -> Recipe | None:
                              **(section if isinstance(section, dict) else {})})
     train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
     return Recipe(_recipe_values(sections[0], sections[1], train.get("steps")))
+
+
+ORDER_KEYS = ("shuffle_block", "shuffle_mix")
+
+
+def _order(block: Any, mix: Any) -> tuple[Any, ...]:
+    """A data order setting, compared by what it reads: every spelling of a full shuffle is
+    one order, whatever the mix."""
+    return ("full",) if block in (None, "full", 1) else (block, mix)
+
+
+def keep_data_order(cfg: Config, run_dir: Path) -> tuple[Config, tuple[int, str] | None]:
+    """`cfg` with the data order of the run's previous job where `cfg` leaves it unset, and
+    a (logging level, line) when the order is kept or changed (None: the same order, or
+    no previous job). Every rank reads the same config.yaml, so every rank agrees."""
+    raw = _previous_config(run_dir)
+    data = raw.get("data") if raw is not None else None
+    if not isinstance(data, dict):
+        return cfg, None
+    block = data.get("shuffle_block")
+    mix = data.get("shuffle_mix", 1)      # before data.shuffle_mix: one block at a time
+    if _order(block, mix) == _order(cfg.data.shuffle_block, cfg.data.shuffle_mix):
+        return cfg, None
+    where = f"{Path(run_dir) / CONFIG_FILE}"
+    previous = f"data.shuffle_block={_show(block)}, data.shuffle_mix={mix}"
+    if not set(ORDER_KEYS) & cfg.data.model_fields_set:
+        try:
+            kept = cfg.data.model_validate({**cfg.data.model_dump(by_alias=True),
+                                            "shuffle_block": block, "shuffle_mix": mix})
+        except Exception:   # noqa: BLE001 - a value this version cannot read: the default
+            return cfg, (logging.WARNING,
+                         f"the previous job's data order ({previous}, {where}) does not "
+                         f"read in this version; this job reads the default order, other "
+                         f"batches")
+        return cfg.model_copy(update={"data": kept}), (
+            logging.INFO, f"data order: the run's own ({previous}, from {where}); set "
+                          f"data.shuffle_block and data.shuffle_mix to change it")
+    return cfg, (logging.WARNING,
+                 f"data order changed: the previous job read {previous} ({where}), this job "
+                 f"data.shuffle_block={_show(cfg.data.shuffle_block)}, "
+                 f"data.shuffle_mix={cfg.data.shuffle_mix}: steps from the restored one on "
+                 f"read other batches than the previous job would have")
 
 
 def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | None,

@@ -59,7 +59,7 @@ from spmd.loop.builtin_hooks import (
 from spmd.loop.failure_report import exit_status, failure_line, log_to_files
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
 from spmd.loop.profiler_hook import ProfilerHook, profiling
-from spmd.loop.recipe import previous_recipe, restore_state
+from spmd.loop.recipe import keep_data_order, previous_recipe, restore_state
 from spmd.loop.stragglers import StragglerMonitor
 from spmd.rundir.lease import RunLease
 from spmd.rundir.metrics import EventLog, drop_records_after, setup_logging
@@ -116,6 +116,10 @@ class Trainer:
         failures = FailureWatch(env).start()  # another rank's error ends this one at once
         publish_host(env)  # a hang report names the host of a rank that cannot answer
         try:
+            # The run's own data order where the config leaves it unset (spmd.loop.recipe).
+            self.cfg, order_note = keep_data_order(self.cfg, run_dir)
+            if self.cfg is not cfg and self.task is not None:
+                self.task = type(self.task)(self.cfg)
             # A run rejected for its config leaves run.dir as it was (or absent): checked first.
             self._checked = self.check(env)
             # One writer per run.dir: rank 0 leases it before writing there; refused: all exit 2.
@@ -124,6 +128,8 @@ class Trainer:
             run_dir.mkdir(parents=True, exist_ok=True)
             setup_logging(run_dir, env.rank, debug)
             own_log = True
+            if order_note is not None and env.rank == 0:
+                log.log(*order_note)
             if cfg.run.compilation_cache is not None:
                 use_compilation_cache(cfg.run.compilation_cache)
             events = EventLog(run_dir / "events.jsonl", env.rank)

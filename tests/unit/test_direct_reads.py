@@ -209,7 +209,8 @@ def test_layouts_are_refused_without_h5py_datasets():
 def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, monkeypatch):
     """Records that missed the page cache (here: a file system that cannot say, so every
     record counts as a miss) make the source announce rows [start, stop) of the next
-    READAHEAD_STEPS steps, once each; reads that hit the cache announce nothing."""
+    READAHEAD_STEPS steps, once each; reads that hit the cache announce nothing (a full
+    shuffle: blocks are told a group ahead, the test below)."""
     from spmd.data.direct_reads import FileRecords
 
     path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
@@ -218,7 +219,7 @@ def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, m
     monkeypatch.setattr(FileRecords, "advise",
                         lambda self, rows: (told.append(rows), real(self, rows))[1])
     monkeypatch.setattr(direct_reads, "_NOWAIT", None)
-    src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1)
+    src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1, shuffle_block="full")
     src.rows(0, 1, 3)
     src.wait_announced()                           # told in the source's readahead thread
     ahead = src.READAHEAD_STEPS
@@ -232,7 +233,7 @@ def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, m
     assert len(told) == 2
     monkeypatch.setattr(direct_reads, "_NOWAIT", getattr(os, "RWF_NOWAIT", None))
     if direct_reads._NOWAIT is not None:           # Linux: the page cache holds the file
-        warm = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1)
+        warm = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1, shuffle_block="full")
         for step in range(3):
             warm.rows(step, 0, 4)
         warm.wait_announced()
@@ -249,7 +250,7 @@ def test_a_few_misses_in_a_warm_read_start_no_readahead(tmp_path, monkeypatch):
     where: set[str] = set()
     monkeypatch.setattr(FileRecords, "advise", lambda self, rows: (
         told.append(rows), where.add(threading.current_thread().name)))
-    src = ArraySource(path, {"u": "train/u"}, FIELD, 8, seed=1)
+    src = ArraySource(path, {"u": "train/u"}, FIELD, 8, seed=1, shuffle_block="full")
     src.rows(0, 0, 8)
     src._read_ahead(0, 0, 8, missed=1)             # 1 of 8: warm
     src.wait_announced()
@@ -320,10 +321,12 @@ def test_neighbouring_records_are_announced_as_one_range(tmp_path, monkeypatch):
         store.close()
 
 
-def test_with_shuffle_block_a_cold_read_announces_whole_blocks(tmp_path, monkeypatch):
-    """data.shuffle_block: the readahead tells the kernel every record of the block being
-    read and of the next one (each once, the step being read aside), so that they are
-    fetched as long reads; an epoch still reads every record once."""
+@pytest.mark.parametrize("mix", [1, 2])
+def test_with_shuffle_block_a_cold_read_announces_whole_blocks(tmp_path, monkeypatch, mix):
+    """data.shuffle_block: the readahead tells the kernel every record of the group of
+    data.shuffle_mix blocks being read and of the next group (each once, the step being
+    read aside), so that they are fetched as long reads; an epoch still reads every record
+    once."""
     from spmd.data.direct_reads import FileRecords
 
     data = values()
@@ -333,14 +336,17 @@ def test_with_shuffle_block_a_cold_read_announces_whole_blocks(tmp_path, monkeyp
     monkeypatch.setattr(FileRecords, "advise",
                         lambda self, rows: (told.extend(rows), real(self, rows))[1])
     monkeypatch.setattr(direct_reads, "_NOWAIT", None)        # every read counts as cold
-    src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1, shuffle_block=8)
+    src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1, shuffle_block=8,
+                      shuffle_mix=mix)
     src.READAHEAD_STEPS = 1
     first = src.rows(0, 0, 4)["u"][..., 0]
     src.wait_announced()
-    blocks, _ = src.index.visits(0)
-    want = {r for b in blocks[:2].tolist() for r in range(8 * b, min(8 * b + 8, ROWS))}
-    want -= set(src.record_indices(0, 0, 4))      # read now: announced by the read itself
-    assert set(told) == want and len(told) == len(want)
+    blocks, starts = src.index.visits(0)
+    last = (int(starts[min(2, len(starts) - 1)]) - 1) // 4   # the step of group 1's end
+    # steps 1..last (step 0 is read now: the read itself announces it), each record once
+    assert sorted(told) == sorted(src.index.records(np.arange(4, 4 * (last + 1))).tolist())
+    ahead = {r for b in blocks[:2 * mix].tolist() for r in range(8 * b, min(8 * b + 8, ROWS))}
+    assert ahead - set(src.record_indices(0, 0, 4)) <= set(told)   # both groups, whole
     np.testing.assert_array_equal(first, data[src.record_indices(0, 0, 4)])
     seen = [r for step in range(-(-ROWS // 4)) for r in src.record_indices(step, 0, 4)]
     assert sorted(seen[:ROWS]) == list(range(ROWS))
@@ -350,6 +356,10 @@ def test_a_bad_shuffle_block_names_the_key(tmp_path):
     path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
     with pytest.raises(ArrayDataError, match="data.shuffle_block=0"):
         ArraySource(path, {"u": "train/u"}, FIELD, 4, shuffle_block=0)
+    with pytest.raises(ArrayDataError, match="data.shuffle_block=some: .* auto .* full"):
+        ArraySource(path, {"u": "train/u"}, FIELD, 4, shuffle_block="some")
+    with pytest.raises(ArrayDataError, match="data.shuffle_mix=0"):
+        ArraySource(path, {"u": "train/u"}, FIELD, 4, shuffle_mix=0)
 
 
 def test_batch_buffers_are_64_byte_aligned(tmp_path):

@@ -16,6 +16,7 @@ from spmd.config.schema import Config, DataConfig, MeshConfig, TrainConfig
 from spmd.data import ArrayDataError, ArraySource, BatchField, file_index, stores, write_arrays
 from spmd.data.feed import BatchFeed
 from spmd.data.file_index import INDEX_NAME, data_exists
+from spmd.data.order import auto_block
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import rules_for
 
@@ -193,13 +194,21 @@ def test_errors_name_the_file_the_dataset_and_the_key(tmp_path):
 def test_config_path_may_be_a_directory_or_a_glob(tmp_path):
     write_parts(tmp_path, "hdf5")
     for path in (tmp_path, tmp_path / "part*.h5"):
-        cfg = Config(data=DataConfig(path=path, prefetch=3, read_threads=2, shuffle_block=4),
+        cfg = Config(data=DataConfig(path=path, prefetch=3, read_threads=2, shuffle_block=4,
+                                     shuffle_mix=3),
                      train=TrainConfig(batch_size=BATCH, steps=5))
         src = ArraySource.from_config(cfg, "train", FIELDS, {"u0": "{split}/u0",
                                                              "u1": "{split}/u1"}, shuffle=True)
         assert src.count == N and (src.prefetch, src.read_threads) == (3, 2)
         assert src.prefetch_until == 5 and src.shuffle_block == 4
-        assert type(src.index).__name__ == "BlockOrder" and src.index.block == 4
+        assert type(src.index).__name__ == "BlockOrder"
+        assert (src.index.block, src.index.mix) == (4, 3)
+    for block, kind in (("full", "EpochOrder"), (None, "EpochOrder"), ("auto", "BlockOrder")):
+        cfg = Config(data=DataConfig(path=tmp_path, shuffle_block=block))
+        src = ArraySource.from_config(cfg, "train", FIELDS, {"u0": "{split}/u0",
+                                                             "u1": "{split}/u1"}, shuffle=True)
+        assert type(src.index).__name__ == kind, block
+    assert src.index.block == auto_block(src.record_bytes) and src.index.mix == 16
     with pytest.raises(ArrayDataError, match="a glob names many files"):
         write_arrays(tmp_path / "x*.h5", arrays())
 

@@ -8,7 +8,14 @@ import grain
 import numpy as np
 import pytest
 
-from spmd.data.order import BlockOrder, EpochOrder, index_shuffle
+from spmd.data.order import (
+    AUTO_BLOCK_BYTES,
+    BlockOrder,
+    EpochOrder,
+    auto_block,
+    index_shuffle,
+    make_order,
+)
 
 
 def grain_order(count: int, seed: int, shuffle: bool = True):
@@ -142,3 +149,55 @@ def test_block_order_numbers_are_pinned() -> None:
     assert BlockOrder._shuffle(8, 1).tolist() == [7, 4, 1, 3, 0, 6, 2, 5]
     assert BlockOrder(10, 4, 7).records(range(10)).tolist() == \
         [3, 2, 1, 0, 6, 7, 4, 5, 9, 8]
+
+
+def test_mixed_blocks_read_a_group_of_blocks_shuffled_together() -> None:
+    """data.shuffle_mix: an epoch visits the blocks `mix` at a time; the positions of one
+    group read exactly the records of its blocks, shuffled together, so that a batch draws
+    from several places of the split; each epoch is still a permutation; the fast path
+    equals the general computation; mix=1 is the first block shuffle."""
+    count, block, mix, batch = 1000, 16, 4, 32
+    order = BlockOrder(count, block, seed=5, mix=mix)
+    for epoch in range(2):
+        got = order.records(np.arange(epoch * count, (epoch + 1) * count))
+        assert sorted(got.tolist()) == list(range(count))
+        blocks, starts = order.visits(epoch)
+        assert len(starts) == -(-order.blocks // mix) + 1
+        for g in range(len(starts) - 1):
+            stretch = got[starts[g]:starts[g + 1]]
+            assert set((stretch // block).tolist()) == set(blocks[g * mix:(g + 1) * mix].tolist())
+        spread = [len(set((got[p:p + batch] // block).tolist()))
+                  for p in range(0, count - batch, batch)]
+        assert np.mean(spread) > 3.5 and min(spread) >= 2, spread   # of 4 blocks per group
+    by_steps = np.concatenate([order.records(range(p, min(p + 7, 2 * count)))
+                               for p in range(0, 2 * count, 7)])
+    np.testing.assert_array_equal(by_steps, order.records(np.arange(2 * count)))
+    assert BlockOrder(count, block, 5, mix).records(range(3, 90)).tolist() == \
+        order.records(range(3, 90)).tolist()
+    assert BlockOrder(count, block, 5, 1).records(range(200)).tolist() != \
+        order.records(range(200)).tolist()
+    assert BlockOrder(10, 4, 7, mix=1).records(range(10)).tolist() == \
+        [3, 2, 1, 0, 6, 7, 4, 5, 9, 8]                       # the pinned numbers below
+    with pytest.raises(ValueError, match="mix must be positive"):
+        BlockOrder(10, 4, 7, mix=0)
+
+
+def test_the_order_follows_shuffle_block_and_shuffle_mix() -> None:
+    """auto: blocks of about 4 MiB of records (a full shuffle for records that large);
+    full, null and 1: grain's full shuffle; N: blocks of N, `mix` at a time; an unshuffled
+    split is file order whatever they say."""
+    assert auto_block(16 << 10) == 256 and auto_block(3000) == AUTO_BLOCK_BYTES // 3000
+    assert auto_block(AUTO_BLOCK_BYTES) == 1 and auto_block(64 << 20) == 1
+    assert auto_block(4) == 1 << 16                          # capped: the index table
+    auto = make_order(100_000, 3, block="auto", mix=16, record_bytes=16 << 10)
+    assert isinstance(auto, BlockOrder) and (auto.block, auto.mix) == (256, 16)
+    want = grain_order(1000, 3)
+    for block in ("full", None, 1):
+        full = make_order(1000, 3, block=block, mix=16)
+        assert isinstance(full, EpochOrder) and full[1234] == want[1234]
+    assert isinstance(make_order(1000, 3, block="auto", mix=16, record_bytes=8 << 20),
+                      EpochOrder)
+    plain = make_order(1000, 3, shuffle=False, block=64, mix=4)
+    assert isinstance(plain, EpochOrder) and plain.records(range(5, 9)).tolist() == [5, 6, 7, 8]
+    blocks = make_order(1000, 3, block=64, mix=4)
+    assert isinstance(blocks, BlockOrder) and (blocks.block, blocks.mix) == (64, 4)

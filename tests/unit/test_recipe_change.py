@@ -85,3 +85,39 @@ def test_another_optimizer_needs_params_only_and_then_restores_the_parameters(ru
                              params_only=True)) == 0
     last = events(run_dir, "restored")[-1]
     assert last["step"] == 8 and "parameters only" not in last["detail"]
+
+
+def test_a_resumed_run_keeps_its_own_data_order(run_dir):
+    """A job whose config leaves data.shuffle_block / data.shuffle_mix unset reads the
+    order of the run's previous job (its config.yaml), and writes it to config.yaml again;
+    a config.yaml from before data.shuffle_mix (shuffle_block unset: a full shuffle, blocks
+    one at a time) reads as that order; a job that sets them trains on, warned."""
+    import logging
+
+    import yaml
+
+    from spmd.config.load import config_from_dict
+    from spmd.loop.recipe import keep_data_order
+
+    assert spmd.train(config(run_dir, 4)) == 0
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["data"]["shuffle_block"] == "auto" and saved["data"]["shuffle_mix"] == 16
+    cfg = config_from_dict(config(run_dir, 8))
+    assert keep_data_order(cfg, run_dir) == (cfg, None)              # the same order
+    old = {k: v for k, v in saved["data"].items() if k != "shuffle_mix"}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**saved, "data": {
+        **old, "shuffle_block": None}}))                            # written by the old version
+    kept, (level, line) = keep_data_order(cfg, run_dir)
+    assert (kept.data.shuffle_block, kept.data.shuffle_mix) == (None, 1)
+    assert level == logging.INFO and "data.shuffle_block=(unset), data.shuffle_mix=1" in line
+    assert kept.train == cfg.train and kept.data.prefetch == cfg.data.prefetch
+    chosen = config_from_dict({**config(run_dir, 8), "data": {"shuffle_block": 64}})
+    same, (level, line) = keep_data_order(chosen, run_dir)
+    assert same is chosen and level == logging.WARNING and "data order changed" in line
+    full = config_from_dict({**config(run_dir, 8), "data": {"shuffle_block": "full"}})
+    assert keep_data_order(full, run_dir) == (full, None)            # full = unset, mix 1
+    assert spmd.train(config(run_dir, 8)) == 0                       # the old order goes on
+    resumed = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
+    assert (resumed["shuffle_block"], resumed["shuffle_mix"]) == (None, 1)
+    assert "data order: the run's own" in (run_dir / "logs" / "rank00000.log").read_text()
+    assert events(run_dir, "restored")[-1]["step"] == 4
