@@ -19,8 +19,8 @@ Invariants:
   after the one that step falls in)
   once each and never at or past `prefetch_until`, until `COLD_STEPS` steps after the last
   call that missed for a quarter of its records or more; reads that hit the cache announce
-  nothing. The announcing runs in one readahead thread per source, in call order;
-  `close` stops it.
+  nothing. The announcing runs in one readahead thread per source, in call order (with
+  blocks, a group at a time, the group being read first); `close` stops it.
 """
 
 from __future__ import annotations
@@ -97,20 +97,39 @@ class RecordReads:
             end = (epoch + 1) * order.count + int(order.visits(epoch + 1)[1][1])
         return max(step, (end - 1) // self.batch_size)
 
+    def _group_runs(self, first: int, last: int) -> list[tuple[int, int]]:
+        """Steps first..last cut where a group of blocks ends (one run without blocks): the
+        kernel is told a group at a time, in reading order, so that this group's records
+        are not queued behind the next one's (records within a run go in file order)."""
+        order = self.index
+        if not isinstance(order, BlockOrder):
+            return [(first, last)]
+        runs, step = [], first
+        while step <= last:
+            epoch, within = divmod(step * self.batch_size, order.count)
+            starts = order.visits(epoch)[1]
+            end = epoch * order.count + int(starts[np.searchsorted(starts, within, "right")])
+            runs.append((step, min(last, max(step, (end - 1) // self.batch_size))))
+            step = runs[-1][1] + 1
+        return runs
+
     def _announce(self, first: int, last: int, start: int, stop: int) -> None:
         """In the readahead thread: tell the kernel the records of rows [start, stop) of
-        steps first..last. Advice only: a member that cannot be opened or read now is
-        named by the read that needs it, so errors here are dropped."""
+        steps first..last, a group of blocks at a time. Advice only: a member that cannot
+        be opened or read now is named by the read that needs it, so errors here are
+        dropped."""
         try:
-            found = self.index.records(np.concatenate(
-                [np.asarray(self.positions(t, start, stop)) for t in range(first, last + 1)]))
-            for name in self.fields:
-                members, rows = self.place(name, found)
-                for m in np.unique(members).tolist():
-                    with self._member(m) as store:
-                        reader = store.direct(self.datasets[name], f"{self.fields_key}.{name}")
-                        if reader is not None:
-                            reader.advise(rows[members == m].tolist())
+            for lo, hi in self._group_runs(first, last):
+                found = self.index.records(np.concatenate(
+                    [np.asarray(self.positions(t, start, stop)) for t in range(lo, hi + 1)]))
+                for name in self.fields:
+                    members, rows = self.place(name, found)
+                    for m in np.unique(members).tolist():
+                        with self._member(m) as store:
+                            reader = store.direct(self.datasets[name],
+                                                  f"{self.fields_key}.{name}")
+                            if reader is not None:
+                                reader.advise(rows[members == m].tolist())
         except Exception:  # noqa: BLE001 - advice; the read itself raises what is wrong
             pass
 

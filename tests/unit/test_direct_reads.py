@@ -325,16 +325,17 @@ def test_neighbouring_records_are_announced_as_one_range(tmp_path, monkeypatch):
 def test_with_shuffle_block_a_cold_read_announces_whole_blocks(tmp_path, monkeypatch, mix):
     """data.shuffle_block: the readahead tells the kernel every record of the group of
     data.shuffle_mix blocks being read and of the next group (each once, the step being
-    read aside), so that they are fetched as long reads; an epoch still reads every record
-    once."""
+    read aside, a group at a time), so that they are fetched as long reads; an epoch still
+    reads every record once."""
     from spmd.data.direct_reads import FileRecords
 
     data = values()
     path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
     told: list[int] = []
+    calls: list[list[int]] = []
     real = FileRecords.advise
-    monkeypatch.setattr(FileRecords, "advise",
-                        lambda self, rows: (told.extend(rows), real(self, rows))[1])
+    monkeypatch.setattr(FileRecords, "advise", lambda self, rows: (
+        told.extend(rows), calls.append(list(rows)), real(self, rows))[2])
     monkeypatch.setattr(direct_reads, "_NOWAIT", None)        # every read counts as cold
     src = ArraySource(path, {"u": "train/u"}, FIELD, 4, seed=1, shuffle_block=8,
                       shuffle_mix=mix)
@@ -347,6 +348,10 @@ def test_with_shuffle_block_a_cold_read_announces_whole_blocks(tmp_path, monkeyp
     assert sorted(told) == sorted(src.index.records(np.arange(4, 4 * (last + 1))).tolist())
     ahead = {r for b in blocks[:2 * mix].tolist() for r in range(8 * b, min(8 * b + 8, ROWS))}
     assert ahead - set(src.record_indices(0, 0, 4)) <= set(told)   # both groups, whole
+    # told a group at a time, the one being read first: its records are not queued behind
+    # the next group's
+    this_group = src.index.records(np.arange(4, 4 * ((int(starts[1]) - 1) // 4 + 1)))
+    assert sorted(calls[0]) == sorted(this_group.tolist())
     np.testing.assert_array_equal(first, data[src.record_indices(0, 0, 4)])
     seen = [r for step in range(-(-ROWS // 4)) for r in src.record_indices(step, 0, 4)]
     assert sorted(seen[:ROWS]) == list(range(ROWS))
