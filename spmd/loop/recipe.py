@@ -16,11 +16,12 @@ config builds); every rank reads it first (`previous_recipe`). On restore (`rest
   falls back to the parameters.
 - Another `optimizer.name` without it: a one-line error naming both names.
 
-The data order (`data.shuffle_block`, `data.shuffle_mix`) is the run's own: a job whose
-config leaves both keys unset reads the batches the previous job would have read
-(`keep_data_order`), whatever this version's defaults are; a config.yaml written before
-`data.shuffle_mix` existed read blocks one at a time and, unset, shuffled in full. A job
-that sets them otherwise trains on with the new order, with a warning.
+The data order (`data.shuffle_block`, `data.shuffle_mix`) is the run's own: a key the
+job's config leaves unset takes the previous job's value (`keep_data_order`), whatever this
+version's default is, so the job reads the batches the previous job would have read; a
+config.yaml written before `data.shuffle_mix` existed read blocks one at a time and, with
+`shuffle_block` unset, shuffled in full. A job that sets them to another order trains on
+with it, with a warning.
 """
 
 from __future__ import annotations
@@ -114,36 +115,38 @@ def _order(block: Any, mix: Any) -> tuple[Any, ...]:
 
 
 def keep_data_order(cfg: Config, run_dir: Path) -> tuple[Config, tuple[int, str] | None]:
-    """`cfg` with the data order of the run's previous job where `cfg` leaves it unset, and
-    a (logging level, line) when the order is kept or changed (None: the same order, or
-    no previous job). Every rank reads the same config.yaml, so every rank agrees."""
+    """`cfg` with the data order of the run's previous job for each order key `cfg` leaves
+    unset, and a (logging level, line) when the order is kept or changed (None: the same
+    order, or no previous job). Every rank reads the same config.yaml, so every rank
+    agrees."""
     raw = _previous_config(run_dir)
     data = raw.get("data") if raw is not None else None
     if not isinstance(data, dict):
         return cfg, None
     block = data.get("shuffle_block")
     mix = data.get("shuffle_mix", 1)      # before data.shuffle_mix: one block at a time
-    if _order(block, mix) == _order(cfg.data.shuffle_block, cfg.data.shuffle_mix):
-        return cfg, None
+    given = cfg.data.model_fields_set
+    wanted = {"shuffle_block": cfg.data.shuffle_block if "shuffle_block" in given else block,
+              "shuffle_mix": cfg.data.shuffle_mix if "shuffle_mix" in given else mix}
     where = f"{Path(run_dir) / CONFIG_FILE}"
     previous = f"data.shuffle_block={_show(block)}, data.shuffle_mix={mix}"
-    if not set(ORDER_KEYS) & cfg.data.model_fields_set:
-        try:
-            kept = cfg.data.model_validate({**cfg.data.model_dump(by_alias=True),
-                                            "shuffle_block": block, "shuffle_mix": mix})
-        except Exception:   # noqa: BLE001 - a value this version cannot read: the default
-            return cfg, (logging.WARNING,
-                         f"the previous job's data order ({previous}, {where}) does not "
-                         f"read in this version; this job reads the default order, other "
-                         f"batches")
-        return cfg.model_copy(update={"data": kept}), (
-            logging.INFO, f"data order: the run's own ({previous}, from {where}); set "
-                          f"data.shuffle_block and data.shuffle_mix to change it")
-    return cfg, (logging.WARNING,
-                 f"data order changed: the previous job read {previous} ({where}), this job "
-                 f"data.shuffle_block={_show(cfg.data.shuffle_block)}, "
-                 f"data.shuffle_mix={cfg.data.shuffle_mix}: steps from the restored one on "
-                 f"read other batches than the previous job would have")
+    if _order(block, mix) != _order(*wanted.values()):
+        return cfg, (logging.WARNING,
+                     f"data order changed: the previous job read {previous} ({where}), "
+                     f"this job data.shuffle_block={_show(cfg.data.shuffle_block)}, "
+                     f"data.shuffle_mix={cfg.data.shuffle_mix}: steps from the restored one "
+                     f"on read other batches than the previous job would have")
+    if _order(cfg.data.shuffle_block, cfg.data.shuffle_mix) == _order(*wanted.values()):
+        return cfg, None
+    try:
+        kept = cfg.data.model_validate({**cfg.data.model_dump(by_alias=True), **wanted})
+    except Exception:   # noqa: BLE001 - a value this version cannot read: the default
+        return cfg, (logging.WARNING,
+                     f"the previous job's data order ({previous}, {where}) does not read "
+                     f"in this version; this job reads the default order, other batches")
+    return cfg.model_copy(update={"data": kept}), (
+        logging.INFO, f"data order: the run's own ({previous}, from {where}); set "
+                      f"data.shuffle_block and data.shuffle_mix to change it")
 
 
 def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | None,

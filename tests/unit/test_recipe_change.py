@@ -116,6 +116,13 @@ def test_a_resumed_run_keeps_its_own_data_order(run_dir):
     assert same is chosen and level == logging.WARNING and "data order changed" in line
     full = config_from_dict({**config(run_dir, 8), "data": {"shuffle_block": "full"}})
     assert keep_data_order(full, run_dir) == (full, None)            # full = unset, mix 1
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**saved, "data": {
+        **old, "shuffle_block": 64}}))          # an old run that chose blocks: mix 1 then
+    same_blocks = config_from_dict({**config(run_dir, 8), "data": {"shuffle_block": 64}})
+    kept, (level, _) = keep_data_order(same_blocks, run_dir)
+    assert (kept.data.shuffle_block, kept.data.shuffle_mix, level) == (64, 1, logging.INFO)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**saved, "data": {
+        **old, "shuffle_block": None}}))
     assert spmd.train(config(run_dir, 8)) == 0                       # the old order goes on
     resumed = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
     assert (resumed["shuffle_block"], resumed["shuffle_mix"]) == (None, 1)
