@@ -212,6 +212,12 @@ class EpochOrder:
     def __getitem__(self, position: int) -> int:
         return int(self.records(np.array([position]))[0])
 
+    def describe(self) -> str:
+        """The order in words, for the log and `spmd data info`."""
+        if not self.shuffle:
+            return f"file order, {self.count:,} records"
+        return f"a full shuffle of the {self.count:,} records every epoch (grain's order)"
+
 
 def _mix(*words: int) -> int:
     """A 32-bit seed from several integers (splitmix64 steps): the seed of one block's
@@ -325,6 +331,13 @@ class BlockOrder:
 
     def __getitem__(self, position: int) -> int:
         return int(self.records(np.array([position]))[0])
+
+    def describe(self) -> str:
+        """The order in words, for the log and `spmd data info`."""
+        groups = -(-self.blocks // self.mix)
+        return (f"blocks of {self.block:,} consecutive records, {self.mix} at a time with "
+                f"their records shuffled together: {groups:,} group(s) of up to "
+                f"{self.block * self.mix:,} records per epoch of {self.count:,}")
 
 
 def auto_block(record_bytes: int) -> int:

@@ -260,6 +260,9 @@ class Trainer:
         """Updates from `info.step` to train.steps, or until a hook stops the run: the last
         step's info (`info` itself when no update was left) and the stop, if any."""
         source, total, state = rt.task.train_source(), self.cfg.train.steps, info.state
+        order = getattr(source, "index", None)      # on-disk sources: the record order
+        if jax.process_index() == 0 and hasattr(order, "describe"):
+            log.info("train data order: %s", order.describe())
         for step in range(info.step, total):
             state, metrics = compiled(state, rt.feed.global_batch(source, step))
             # the time this step waited for its batch (host read, or the background read)

@@ -117,7 +117,8 @@ class FieldTask(Task[ModelCfg]):
 
     def describe_data(self) -> str:
         train = self._source("train", False)
-        return f"{self.cfg.data.path}: {train.count} train examples, datasets {train.datasets}"
+        return (f"{self.cfg.data.path}: {train.count} train examples, datasets "
+                f"{train.datasets}; train order: {self._source('train', True).index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         path = self.cfg.data.path

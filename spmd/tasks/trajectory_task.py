@@ -296,7 +296,7 @@ class TrajectoryTask(Task[ModelCfg]):
         files = train.files.members
         return (f"{self.cfg.data.path}: {len(files)} file(s), {train.count} train windows, "
                 f"{test.count} test windows of {self.rollout_steps()} rollout steps, dataset "
-                f"{train.dataset}")
+                f"{train.dataset}; train order: {self._source('train', True).index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         if is_coordinator and self.data_incomplete():

@@ -172,3 +172,4 @@ def test_spmd_data_make_writes_the_field_task_dataset(name, tmp_path):
             assert {f[split][n].shape for n in f[split]} == {(count, *example)}
     info = run_spmd("data", "info", config, f"data.path={data}", cwd=REPO)
     assert info.returncode == 0 and "train examples" in info.stdout, info.stderr
+    assert "train order: blocks of" in info.stdout, info.stdout

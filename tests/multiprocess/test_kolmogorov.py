@@ -107,6 +107,9 @@ def test_surrogate_learns_rolls_out_and_plots(trained):
         assert all(np.isfinite(r[key]) for key in leads), r
         assert r["rollout_rel_l2_1"] == pytest.approx(r["test_rel_l2"])
     assert evals[-1][leads[-1]] > evals[-1][leads[0]]       # errors grow with lead time
+    # the default order, as auto chose it for 8 KiB windows (4 MiB / 8 KiB = 512 records)
+    log = (trained / "logs" / "rank00000.log").read_text()
+    assert "train data order: blocks of 512 consecutive records, 16 at a time" in log
     for png in ("rollout_error.png", "samples.png", "loss.png", "test_error.png"):
         path = trained / "plots" / png
         assert path.is_file() and path.stat().st_size > 10_000, path

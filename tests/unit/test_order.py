@@ -201,3 +201,8 @@ def test_the_order_follows_shuffle_block_and_shuffle_mix() -> None:
     assert isinstance(plain, EpochOrder) and plain.records(range(5, 9)).tolist() == [5, 6, 7, 8]
     blocks = make_order(1000, 3, block=64, mix=4)
     assert isinstance(blocks, BlockOrder) and (blocks.block, blocks.mix) == (64, 4)
+    assert blocks.describe() == ("blocks of 64 consecutive records, 4 at a time with their "
+                                 "records shuffled together: 4 group(s) of up to 256 "
+                                 "records per epoch of 1,000")
+    assert "full shuffle of the 1,000 records" in make_order(1000, 3, block="full").describe()
+    assert plain.describe() == "file order, 1,000 records"
