@@ -143,7 +143,8 @@ class OperatorTask(Task[FnoConfig]):
         return describe(make_dataset(self.cfg, workers=workers, compression=compression))
 
     def describe_data(self) -> str:
-        return describe(validate_dataset(self.cfg))
+        return (f"{describe(validate_dataset(self.cfg))}; train order: "
+                f"{self.train_source().index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         """Rank 0 makes a missing dataset; every rank that sees the file validates it."""

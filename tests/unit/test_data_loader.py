@@ -134,3 +134,19 @@ def test_normalization_stats_are_the_train_split_moments(data):
             assert stats[name].std == pytest.approx(values.std(), rel=1e-9)
             assert subset[name].mean == pytest.approx(values[:16].mean(), rel=1e-12)
     assert stats == field_stats(inspect_fields(data), NUM_TRAIN)   # deterministic
+
+
+def test_data_info_names_the_train_order(data, tmp_path):
+    """`spmd data info` (Task.describe_data) says which order data.shuffle_block chose:
+    auto gives blocks of 4 MiB of records (2 KiB Darcy pairs here: 2,048 a block), full a
+    full shuffle."""
+    from spmd.config.load import build_task, load_config
+    from tests.helpers.fno import tiny_config
+
+    path = tiny_config(tmp_path, data)
+    auto = build_task(load_config(path)).describe_data()
+    assert "train 32" in auto and "train order: blocks of 2,048 consecutive records, 16 at " \
+        "a time" in auto, auto
+    full = build_task(load_config(path, ["data.shuffle_block=full"])).describe_data()
+    assert full.endswith("train order: a full shuffle of the 32 records every epoch "
+                         "(grain's order)"), full
