@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AUTO_BLOCK_BYTES", "BlockOrder", "EpochOrder", "auto_block", "index_shuffle",
-           "make_order", "seed_seq_words"]
+__all__ = ["AUTO_BLOCK_BYTES", "FULL_SHUFFLE", "BlockOrder", "EpochOrder", "auto_block",
+           "index_shuffle", "make_order", "seed_seq_words"]
 
 ROUNDS = 4                  # grain's ShuffleMapDataset uses 4 rounds
 MIN_BLOCK_BITS = 16         # grain's smallest cipher block
@@ -46,6 +46,7 @@ _M32 = 0xFFFFFFFF
 # section 7); at most AUTO_BLOCK_MAX records (a group's index: mix x 64 K x 8 bytes).
 AUTO_BLOCK_BYTES = 4 << 20
 AUTO_BLOCK_MAX = 1 << 16
+FULL_SHUFFLE = (None, "full", 1)   # the data.shuffle_block values of grain's full shuffle
 
 
 @functools.lru_cache(maxsize=64)
@@ -292,6 +293,13 @@ class BlockOrder:
 
         return self._visits.get(epoch, make)
 
+    def group_end(self, position: int) -> int:
+        """The position where the group that reads `position` ends (the next group's
+        first position, in this epoch or the next)."""
+        epoch, within = divmod(int(position), self.count)
+        starts = self.visits(epoch)[1]
+        return epoch * self.count + int(starts[bisect.bisect_right(starts, within)])
+
     def _group(self, epoch: int, group: int) -> np.ndarray:
         """The records of epoch `epoch`'s group `group`, in the order they are read."""
         def make() -> np.ndarray:
@@ -354,6 +362,6 @@ def make_order(count: int, seed: int, *, shuffle: bool = True, block: int | str 
     file order whatever they say."""
     if block == "auto":
         block = auto_block(record_bytes)
-    if not shuffle or block in (None, "full", 1):
+    if not shuffle or block in FULL_SHUFFLE:
         return EpochOrder(count, seed, shuffle)
     return BlockOrder(count, int(block), seed, mix)

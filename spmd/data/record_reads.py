@@ -88,13 +88,7 @@ class RecordReads:
         order = self.index
         if not isinstance(order, BlockOrder):
             return step
-        epoch, within = divmod(step * self.batch_size, order.count)
-        _, starts = order.visits(epoch)
-        slot = int(np.searchsorted(starts, within, "right"))      # 1 + this group
-        if slot + 1 < len(starts):
-            end = epoch * order.count + int(starts[slot + 1])        # the next visit's end
-        else:                                                        # the next epoch's first
-            end = (epoch + 1) * order.count + int(order.visits(epoch + 1)[1][1])
+        end = order.group_end(order.group_end(step * self.batch_size))
         return max(step, (end - 1) // self.batch_size)
 
     def _group_runs(self, first: int, last: int) -> list[tuple[int, int]]:
@@ -106,9 +100,7 @@ class RecordReads:
             return [(first, last)]
         runs, step = [], first
         while step <= last:
-            epoch, within = divmod(step * self.batch_size, order.count)
-            starts = order.visits(epoch)[1]
-            end = epoch * order.count + int(starts[np.searchsorted(starts, within, "right")])
+            end = order.group_end(step * self.batch_size)
             runs.append((step, min(last, max(step, (end - 1) // self.batch_size))))
             step = runs[-1][1] + 1
         return runs

@@ -37,6 +37,7 @@ import yaml
 
 from spmd.checkpoint import Checkpointer, CheckpointError, Restored
 from spmd.config.schema import Config, migrate_deprecated
+from spmd.data.order import FULL_SHUFFLE
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import ADDED_FIELDS, fill_ema, train_rng
 from spmd.errors import ConfigError
@@ -105,13 +106,10 @@ def previous_recipe(run_dir: Path) -> Recipe | None:
     return Recipe(_recipe_values(sections[0], sections[1], train.get("steps")))
 
 
-ORDER_KEYS = ("shuffle_block", "shuffle_mix")
-
-
 def _order(block: Any, mix: Any) -> tuple[Any, ...]:
     """A data order setting, compared by what it reads: every spelling of a full shuffle is
     one order, whatever the mix."""
-    return ("full",) if block in (None, "full", 1) else (block, mix)
+    return ("full",) if block in FULL_SHUFFLE else (block, mix)
 
 
 def keep_data_order(cfg: Config, run_dir: Path) -> tuple[Config, tuple[int, str] | None]:

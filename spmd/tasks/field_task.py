@@ -116,9 +116,9 @@ class FieldTask(Task[ModelCfg]):
                 f"{self.input_name} -> {self.target_name}, shape {self.field_shape()}")
 
     def describe_data(self) -> str:
-        train = self._source("train", False)
+        train = self._source("train", True)
         return (f"{self.cfg.data.path}: {train.count} train examples, datasets "
-                f"{train.datasets}; train order: {self._source('train', True).index.describe()}")
+                f"{train.datasets}; train order: {train.index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         path = self.cfg.data.path

@@ -291,12 +291,12 @@ class TrajectoryTask(Task[ModelCfg]):
                 f"test trajectories of {self.state_name}, frame {tuple(self.frame_shape())}")
 
     def describe_data(self) -> str:
-        train = self._source("train", False)
+        train = self._source("train", True)
         test = self._source("test", False, self.rollout_steps())
         files = train.files.members
         return (f"{self.cfg.data.path}: {len(files)} file(s), {train.count} train windows, "
                 f"{test.count} test windows of {self.rollout_steps()} rollout steps, dataset "
-                f"{train.dataset}; train order: {self._source('train', True).index.describe()}")
+                f"{train.dataset}; train order: {train.index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         if is_coordinator and self.data_incomplete():

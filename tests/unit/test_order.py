@@ -172,6 +172,11 @@ def test_mixed_blocks_read_a_group_of_blocks_shuffled_together() -> None:
     by_steps = np.concatenate([order.records(range(p, min(p + 7, 2 * count)))
                                for p in range(0, 2 * count, 7)])
     np.testing.assert_array_equal(by_steps, order.records(np.arange(2 * count)))
+    starts = order.visits(0)[1]
+    assert [order.group_end(p) for p in (0, int(starts[1]) - 1, int(starts[1]))] == \
+        [starts[1], starts[1], starts[2]]
+    assert order.group_end(count - 1) == count                 # the epoch's last group
+    assert order.group_end(count) == count + order.visits(1)[1][1]   # the next epoch's first
     assert BlockOrder(count, block, 5, mix).records(range(3, 90)).tolist() == \
         order.records(range(3, 90)).tolist()
     assert BlockOrder(count, block, 5, 1).records(range(200)).tolist() != \
