@@ -55,15 +55,22 @@ def test_run_ignores_an_outer_launchers_rank_variables():
 
 def test_run_without_mpiexec_says_how_to_install(tmp_path):
     # A python whose directory holds no mpiexec, with PATH holding none either. The symlinked
-    # base interpreter loses a virtualenv's site-packages, so they go on PYTHONPATH (this
-    # works for a venv and for a system Python alike).
+    # base interpreter loses a virtualenv's site-packages, so they are added with
+    # site.addsitedir, which (unlike PYTHONPATH) also runs their .pth files: an editable
+    # install's import finder (spmd.launch -> launch/) lives in one. This works for a venv,
+    # a system Python, an editable install and a plain one alike.
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python").symlink_to(os.path.realpath(sys.executable))
     site_dirs = [p for p in sys.path if p.endswith("-packages")]
-    env = clean_env(PATH=str(bindir), PYTHONPATH=os.pathsep.join([str(REPO), *site_dirs]))
-    result = subprocess.run([str(bindir / "python"), "-m", "spmd.cli", "run", "-n", "2", MLP],
-                            capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+    start = ("import runpy, site, sys\n"
+             f"for d in {site_dirs!r}: site.addsitedir(d)\n"
+             "sys.argv = ['spmd', *sys.argv[1:]]\n"
+             "runpy.run_module('spmd.cli', run_name='__main__')\n")
+    env = clean_env(PATH=str(bindir))
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([str(bindir / "python"), "-c", start, "run", "-n", "2", MLP],
+                            capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert "pip install 'spmd-hpc[local]'" in result.stderr
