@@ -1,4 +1,4 @@
-"""The README's "Bring your own model" task, exactly as printed, trains under `spmd run`."""
+"""The README's "Your own model" task, exactly as printed, trains under `spmd run`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.helpers.env import REPO, clean_env, run_spmd
 
 def readme_blocks(language: str) -> list[str]:
     text = (REPO / "README.md").read_text()
-    section = text.split("## Bring your own model", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## Your own model", 1)[1].split("\n## ", 1)[0]
     return re.findall(rf"```{language}\n(.*?)```", section, re.S)
 
 
