@@ -69,8 +69,9 @@ class ArraySource(RecordReads, MemberLeases):
 
     `datasets` maps each batch field to its dataset path in the store(s); `fields` are the
     task's BatchFields (shape, dtype; the first axis is the batch). `count` limits the
-    records used (default: all). `config_key` / `fields_key` name the config keys that
-    errors tell the user to change. `path` is a store, a directory of stores or a glob.
+    records used (default: all). `config_key` / `fields_key` name the config keys (or the
+    command-line flags) that errors tell the user to change. `path` is a store, a directory
+    of stores or a glob.
     """
 
     reads_slabs = True
@@ -122,6 +123,11 @@ class ArraySource(RecordReads, MemberLeases):
         self._busy: collections.Counter[int] = collections.Counter()
         self._order: Any = None
         self._checked = False
+
+    def field_key(self, name: str) -> str:
+        """What names field `name`'s dataset in messages: `<fields_key>.<name>` (data.fields.u),
+        or `fields_key` itself when it is a command-line flag (`spmd predict --dataset`)."""
+        return self.fields_key if self.fields_key.startswith("--") else f"{self.fields_key}.{name}"
 
     @classmethod
     def from_config(cls, cfg: Any, split: str, fields: Mapping[str, BatchField],
@@ -207,7 +213,7 @@ class ArraySource(RecordReads, MemberLeases):
     def _shapes(self, name: str) -> list[tuple[int, ...]]:
         """The shape of field `name`'s dataset in every member."""
         files, dataset = self.files, self.datasets[name]
-        key = f"{self.fields_key}.{name}"
+        key = self.field_key(name)
         if not files.multi:
             with self._member(0) as store:
                 return [tuple(store.get(dataset, key).shape)]
@@ -223,7 +229,7 @@ class ArraySource(RecordReads, MemberLeases):
         """Every dataset exists and fits its BatchField; the records usable (all the same)."""
         counts = {}
         for name, field in self.fields.items():
-            key = f"{self.fields_key}.{name}"
+            key = self.field_key(name)
             want = field.example_shape
             shapes = self._shapes(name)
             for i, shape in enumerate(shapes):
@@ -316,7 +322,7 @@ class ArraySource(RecordReads, MemberLeases):
                 out[name] = value
                 if not records:
                     continue
-                key = f"{self.fields_key}.{name}"
+                key = self.field_key(name)
                 ndim = self._ndims.get(name) or self._ndims.setdefault(
                     name, stores[int(member_of[0])].get(self.datasets[name], key).ndim)
                 index = tuple(slice(lo, hi) for lo, hi in box[:ndim - 1])
@@ -364,7 +370,7 @@ class ArraySource(RecordReads, MemberLeases):
                      f" (rows {sorted(rows)[:8]}{' ...' if len(rows) > 8 else ''} of the file)")
         return ArrayDataError(
             f"{self._where(member)}: reading {what} of dataset '{self.datasets[name]}' "
-            f"({self.fields_key}.{name}) failed ({type(e).__name__}: {e}); the file may be "
+            f"({self.field_key(name)}) failed ({type(e).__name__}: {e}); the file may be "
             f"truncated or corrupt (left unchanged)")
 
     def close(self) -> None:

@@ -119,7 +119,7 @@ class RecordReads:
                     for m in np.unique(members).tolist():
                         with self._member(m) as store:
                             reader = store.direct(self.datasets[name],
-                                                  f"{self.fields_key}.{name}")
+                                                  self.field_key(name))
                             if reader is not None:
                                 reader.advise(rows[members == m].tolist())
         except Exception:  # noqa: BLE001 - advice; the read itself raises what is wrong

@@ -69,6 +69,7 @@ def input_source(trained: Trained, path: Path, split: str, dataset: str | None,
         candidates = list(dict.fromkeys([template.format(split=split), name]))
     problems = []
     for candidate in candidates:
+        # its errors name this command's flags (--input, --dataset), not config keys
         source = ArraySource(path, {name: candidate}, {name: field}, batch_size, shuffle=False,
                              config_key="--input", fields_key="--dataset")
         try:
