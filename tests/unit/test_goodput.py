@@ -1,6 +1,7 @@
 """The goodput ledger over hand-made records: three jobs (preempted, killed, finished), the
-parts of each, lost work after the last kept step, queue gaps, and an older run directory
-whose records carry less."""
+parts of each, lost work after the last kept step, the gaps between jobs (queue for a requeue,
+between runs for a rerun by hand), and an older run directory whose records carry less.
+Failed jobs, chains and the timeline's order: tests/unit/test_report_ledger.py."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def three_jobs() -> tuple[list[dict], list[dict]]:
            shared=True),
         ev("closed", 111.9, seconds={"checkpoint": 0.3, "metrics": 0.01}),
         ev("preempted", 112, step=10, reason="SIGTERM", exit_code=75),
-        ev("started", 121, size=2, nodes=1, job_id="8", restart_count=1, process_start=120),
+        ev("started", 121, size=2, nodes=1, job_id="7", restart_count=1, process_start=120),
         ev("restored", 123, step=10, source="local", seconds=0.5),
         ev("compiled", 124, seconds=0.5),
         ev("saved", 129.5, tier="local", step=15, blocking_s=0.2, waited_s=0.1),
@@ -51,18 +52,23 @@ def test_jobs_parts_lost_work_and_queue():
     ledger = build_ledger(*three_jobs(), batch_size=8)
     a, b, c = ledger.jobs
     assert [(j.job_id, j.restart_count, j.exit_status) for j in ledger.jobs] == [
-        ("7", 0, 75), ("8", 1, None), ("9", 0, 0)]
+        ("7", 0, 75), ("7", 1, None), ("9", 0, 0)]
+    assert [j.began for j in ledger.jobs] == ["init", "restore", "restore"]
     assert a.reason == "preempted (SIGTERM)" and b.reason.startswith("lost")
     assert (a.start, a.end, b.start, b.end, c.start, c.end) == (100, 112, 120, 130, 140, 149)
     assert a.parts == pytest.approx({
-        "bootstrap": 3.0, "restore": 1.0, "compile": 1.5, "evaluation": 0.7,
+        "bootstrap": 3.0, "init": 1.0, "restore": 0.0, "compile": 1.5, "evaluation": 0.7,
         "checkpoint": 0.1 + 0.05 + 0.3, "training": 5.0 - 0.1, "lost": 0.0, "other": 0.45})
     # job b: steps 11..16, the next job resumed from 15: step 16 (1 s) was lost
     assert (b.restored_step, b.last_step, b.lost_steps) == (10, 16, 1)
     assert b.parts["lost"] == pytest.approx(1.0)
     assert b.parts["training"] == pytest.approx(6.0 - 0.3 - 1.0)
     assert b.productive_steps == 5 and c.productive_steps == 5 and a.productive_steps == 10
-    assert (b.queue_before_s, c.queue_before_s) == (8.0, 10.0)
+    assert (b.gap_before_s, c.gap_before_s) == (8.0, 10.0)
+    # b is job 7 requeued: queue; c (job 9) is unrelated to it: a rerun, between runs
+    assert (a.gap_before, b.gap_before, c.gap_before) == (None, "queue", "between_runs")
+    assert (ledger.totals["queue"], ledger.totals["between_runs"]) == (8.0, 10.0)
+    assert b.parts["restore"] == 0.5 and b.parts["init"] == 0.0
     assert ledger.lost_steps == 1
     assert ledger.wall_s == 49.0
     assert sum(ledger.totals.values()) == pytest.approx(ledger.wall_s, rel=1e-12)
@@ -111,7 +117,9 @@ def test_spmd_report_prints_the_table_and_draws_the_timeline(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--plot"]) == 0
     out = capsys.readouterr().out
     assert "preempted (SIGTERM)" in out and "lost (no end record" in out
-    assert "goodput" in out and "queue" in out and "samples_per_s" in out
+    assert "goodput" in out and "samples_per_s" in out
+    assert "0->1 8.0 s queue, 1->2 10.0 s between runs" in out
+    assert "  init " in out and "  queue " in out and "  between runs " in out
     assert (tmp_path / "plots" / "timeline.png").stat().st_size > 0
     assert main(["report", str(tmp_path / "missing")]) != 0
     assert "no events" in capsys.readouterr().err
@@ -148,7 +156,7 @@ def two_recorded_jobs() -> tuple[list[dict], list[dict]]:
         ev("saved", 107.1, tier="local", step=5, blocking_s=0.1, waited_s=0.0),
         ev("closed", 109.95, seconds={"checkpoint": 0.3}),
         ev("preempted", 109.97, step=10, reason="SIGTERM", exit_code=75),
-        ev("started", 121, size=2, nodes=1, job_id="8", restart_count=1, process_start=120),
+        ev("started", 121, size=2, nodes=1, job_id="7", restart_count=1, process_start=120),
         ev("restored", 122, step=10, source="local", seconds=0.5),
         ev("compiled", 123, seconds=1.0),
         ev("evaluated", 128.2, step=20, eval_loss=0.5, seconds=0.2),
