@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import shlex
 import shutil
@@ -304,8 +305,13 @@ def write_script(req: JobRequest, path: Path | None = None) -> Path:
 
 
 def submit_argv(scheduler: Scheduler, script: Path, depends_on: str | None = None,
-                chain_next: bool = False) -> tuple[list[str], Path | None]:
-    """(argv, stdin file) that submits `script`, after `depends_on` ended (any status)."""
+                chain_next: bool = False, chain: str | None = None
+                ) -> tuple[list[str], Path | None]:
+    """(argv, stdin file) that submits `script`, after `depends_on` ended (any status).
+    `chain`: the first job id of its chain, SPMD_CHAIN in the job (`spmd report` counts the
+    gap before it as queue): passed here where the job does not inherit the environment of
+    the submission (PBS) or already takes variables this way (Flux); `submit` sets it in the
+    environment for the others."""
     script = Path(script)
     if scheduler == "slurm":
         argv = ["sbatch", "--parsable"]
@@ -321,8 +327,10 @@ def submit_argv(scheduler: Scheduler, script: Path, depends_on: str | None = Non
         argv = ["qsub"]
         if depends_on:
             argv += ["-W", f"depend=afterany:{depends_on}"]
-        if chain_next:
-            argv += ["-v", "SPMD_CHAIN_NEXT=1"]
+        variables = (["SPMD_CHAIN_NEXT=1"] if chain_next else []) + (
+            [f"SPMD_CHAIN={chain}"] if chain else [])
+        if variables:
+            argv += ["-v", ",".join(variables)]
         return argv + [str(script)], None
     if scheduler == "flux":
         argv = ["flux", "batch"]
@@ -330,6 +338,8 @@ def submit_argv(scheduler: Scheduler, script: Path, depends_on: str | None = Non
             argv.append(f"--dependency=afterany:{depends_on}")
         if chain_next:
             argv.append("--env=SPMD_CHAIN_NEXT=1")
+        if chain:
+            argv.append(f"--env=SPMD_CHAIN={chain}")
         return argv + [str(script)], None
     raise SpmdError(f"unknown scheduler '{scheduler}'")
 
@@ -352,9 +362,14 @@ def parse_job_id(scheduler: Scheduler, out: str) -> str:
 
 def submit(scheduler: Scheduler, script: Path, depends_on: str | None = None,
            chain_next: bool = False, env: Mapping[str, str] | None = None,
-           timeout_s: float = 120.0) -> str:
-    """Submit `script`; return the job id. SpmdError names a missing or failing command."""
-    argv, stdin_path = submit_argv(scheduler, script, depends_on, chain_next)
+           timeout_s: float = 120.0, chain: str | None = None) -> str:
+    """Submit `script`; return the job id. SpmdError names a missing or failing command.
+    `chain`: see `submit_argv`; without it the job gets no SPMD_CHAIN of the submitting
+    shell's."""
+    argv, stdin_path = submit_argv(scheduler, script, depends_on, chain_next, chain)
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "SPMD_CHAIN"}
+    if chain:
+        env["SPMD_CHAIN"] = chain
     path = (env or {}).get("PATH") if env else None
     if shutil.which(argv[0], path=path) is None:
         raise SpmdError(f"--submit needs `{argv[0]}` ({scheduler}) on PATH and it is not there; "
@@ -383,5 +398,5 @@ def submit_chain(scheduler: Scheduler, script: Path, count: int,
     ids: list[str] = []
     for i in range(count):
         ids.append(submit(scheduler, script, ids[-1] if ids else None,
-                          chain_next=i < count - 1, env=env))
+                          chain_next=i < count - 1, env=env, chain=ids[0] if ids else None))
     return ids

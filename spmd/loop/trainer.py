@@ -136,7 +136,8 @@ class Trainer:
             events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
                         restart_count=env.restart_count, job_id=env.job_id, task=cfg.task,
                         nodes=env.num_nodes, process_start=round(process_start, 3),
-                        run_start=round(run_start, 3))
+                        run_start=round(run_start, 3),
+                        chain=os.environ.get("SPMD_CHAIN") or None)  # spmd report: queue
             lease.start(events)  # logs the acquisition or take-over; heartbeat while training
             return self.fit(env, events)
         except SystemExit:  # a status every rank agreed on (a refused lease): no failure
@@ -154,9 +155,10 @@ class Trainer:
             else:
                 log.error("%s failed: %s", env.who, error, exc_info=True)
             # every other rank ends now, with this status, instead of waiting for this one
-            announce(env, error, exit_status(e), type(e).__name__)
+            first = announce(env, error, exit_status(e), type(e).__name__)
             if events is not None:  # how this job ended, for `spmd report`
-                events.record("failed", error=error[:500])
+                events.record("failed", error=error[:500], exit_code=exit_status(e),
+                              first=first)
             raise
         finally:
             if env.size > 1 and not failed:

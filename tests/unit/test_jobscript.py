@@ -475,7 +475,8 @@ def test_pbs_resubmits_when_qrerun_is_refused(tmp_path):
     os.kill(proc.pid, signal.SIGUSR1)
     code, out = h.finish(proc)
     assert code == 0, out
-    assert f"qsub {h.script}" in h.calls() and "resubmitted as 999.pbs" in out
+    assert f"qsub -v SPMD_CHAIN=123.pbs {h.script}" in h.calls(), h.calls()
+    assert "resubmitted as 999.pbs" in out
 
 
 def test_pbs_chained_job_leaves_it_to_the_next(tmp_path):
