@@ -68,7 +68,7 @@ MESSAGE_CALLS = {"print", "warn", "exit", "error", "warning", "info", "debug", "
 MESSAGE_KEYWORDS = {"help", "description", "epilog", "usage"}
 # A variable or keyword of this name holds (part of) a message, or the key or flag a message
 # names (`hint = "..."`, `config_key="--input"`).
-MESSAGE_NAME = re.compile(r"hint|msg|message|advice|why|reason|problem|detail|(?:^|_)key$")
+MESSAGE_NAME = re.compile(r"hint|msg|message|advice|why|reason|problem|detail|(?:^|_)key$", re.I)
 
 # `--name`, `--name-with-dashes`, and what follows a dot, a placeholder too (`--dataset.{name}`
 # is no flag either).
