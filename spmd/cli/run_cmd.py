@@ -16,6 +16,12 @@ Each rank runs behind a shim (spmd.launch.rank_shim) that turns a death by signa
 status 128+S, so Hydra's proxy does not SIGKILL the other ranks and they can name the lost one.
 When the ranks fail, the ERROR lines they wrote to run.dir/logs during this job are repeated
 at the end, one per line, after Hydra's own report.
+
+The console (spmd.rundir.console): the ranks' stdout and stderr pass through this process,
+which leaves out Gloo's line per rank saying it connected to all its peers (`GLOO_CONNECTED`;
+any other line, and that line with fewer peers than expected, passes; `-v` passes all). The
+ranks' stderr is a pipe, so SPMD_CONSOLE tells rank 0 whether this process's stderr is a
+terminal (a progress bar) or not (plain lines), and COLUMNS how wide it is.
 """
 
 from __future__ import annotations
@@ -24,25 +30,31 @@ import argparse
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 
+from spmd.cli.train_cmd import add_verbose, verbose_overrides
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import rank_shim
 from spmd.launch.watchdog import launcher_environ
+from spmd.rundir.console import CONSOLE_VAR
 
 MPIEXEC_VAR = "SPMD_MPIEXEC"   # the launcher to use instead of the embedded MPI's mpiexec
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 ENDING = (signal.SIGTERM, signal.SIGINT)   # the ranks save and stop, or are killed
 KILL_WAIT_S = 30.0       # launch.kill_wait_s's default, for entries other than train
 DEFAULT_SAVE_S = 600.0   # checkpoint.timeout_s's default, for entries other than train
+DRAIN_S = 5.0            # how long the ranks' output may still come after mpiexec ended
 # Per-rank variables an outer launcher may have left; inherited, they would make every local
 # rank claim the same identity.
 _STALE_PREFIXES = ("SLURM_STEP_", "JSM_NAMESPACE_", "PALS_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_",
@@ -51,6 +63,10 @@ _STALE_NAMES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID",
                 "MPI_LOCALNRANKS", "SPMD_RANK", "SPMD_SIZE", "SPMD_LOCAL_RANK",
                 "SPMD_LOCAL_SIZE", "SPMD_NODE_ID", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES",
                 "JAX_COORDINATOR_ADDRESS", "JAX_LOCAL_DEVICE_IDS")
+# Gloo (the CPU collectives) says this once per rank when it connects; the same with fewer
+# peers than expected is news, and passes.
+GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                            rb"Expected number of connected peer ranks is : (\d+)\s*")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--entry", default="train", help=argparse.SUPPRESS)  # subcommand per rank
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    add_verbose(p)
     p.set_defaults(func=run)
 
 
@@ -150,6 +167,85 @@ def check_lease(config: str, overrides: list[str]) -> tuple[Path, float, float]:
     return Path(cfg.run.dir), cfg.checkpoint.timeout_s, cfg.launch.kill_wait_s
 
 
+def console_env(env: dict[str, str], stream: IO[str]) -> dict[str, str]:
+    """`env` with SPMD_CONSOLE (tty | plain: what `stream`, this process's stderr, is) and,
+    for a terminal, COLUMNS; values the user set stay."""
+    env = dict(env)
+    terminal = stream.isatty()
+    env.setdefault(CONSOLE_VAR, "tty" if terminal else "plain")
+    if terminal:
+        env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
+    return env
+
+
+def quiet_line(line: bytes) -> bool:
+    """Whether a complete output line of a rank is one the console goes without."""
+    m = GLOO_CONNECTED.fullmatch(line)
+    return m is not None and m.group(1) == m.group(2)
+
+
+class OutputFilter:
+    """A rank output stream, chunk by chunk, without its quiet lines (`quiet_line`).
+
+    Bytes pass as they come (a progress bar redraws a line without ending it); only the
+    start of a line that may become a quiet one ("[Gloo]") is held until its end."""
+
+    MARK = b"[Gloo]"
+
+    def __init__(self, quiet: bool = True):
+        self.quiet = quiet
+        self.held = b""        # the start of a line that may be quiet
+        self.mid_line = False  # the current line's start was passed on already
+
+    def feed(self, data: bytes) -> bytes:
+        """What of `data` to write now."""
+        if not self.quiet:
+            return data
+        data, self.held = self.held + data, b""
+        out = []
+        while data:
+            line, newline, rest = data.partition(b"\n")
+            if self.mid_line:
+                out.append(line + newline)
+                self.mid_line = not newline
+            elif newline:
+                if not quiet_line(line):
+                    out.append(line + newline)
+            elif line.startswith(self.MARK) or self.MARK.startswith(line):
+                self.held = line   # wait for its end
+            else:
+                out.append(line)
+                self.mid_line = True
+            data = rest
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """What is left at the end of the stream."""
+        held, self.held = self.held, b""
+        return held
+
+
+def copy_output(source: IO[bytes], target: IO[bytes], keep: OutputFilter) -> None:
+    """Copy `source` to `target` through `keep` until its end (a thread per stream). A
+    target that is gone (closed pipe) is drained anyway, so that no rank blocks writing."""
+    fd = source.fileno()
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        out = keep.feed(data) if data else keep.flush()
+        if out:
+            try:
+                target.write(out)
+                target.flush()
+            except (OSError, ValueError):
+                pass
+        if not data:
+            source.close()
+            return
+
+
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL mpiexec and every process below it (the ranks run in sessions of their own,
     so a process group does not reach them; a stopped rank ends on nothing else)."""
@@ -230,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ppn < 1 or args.n % args.ppn:
         raise SpmdError(f"spmd run: --ppn {args.ppn} does not divide -n {args.n} into equal nodes")
     mpiexec = find_mpiexec()
-    run_dir, save_s, kill_wait_s = (check_lease(args.config, args.overrides)
+    overrides = verbose_overrides(args) if args.entry == "train" else args.overrides
+    run_dir, save_s, kill_wait_s = (check_lease(args.config, overrides)
                                     if args.entry == "train"
                                     else (None, DEFAULT_SAVE_S, KILL_WAIT_S))
     before = log_sizes(run_dir) if run_dir is not None else {}
@@ -245,14 +342,22 @@ def run(args: argparse.Namespace) -> int:
     # leaves the other ranks alive to name the lost one (see launch/rank_shim.py)
     rank_cmd = [sys.executable, rank_shim.__file__, sys.executable, "-m", "spmd.cli",
                 *(["--debug"] if args.debug else []), *args.entry.split(), args.config,
-                *args.overrides]
+                *overrides]
     cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, save_s, kill_wait_s),
            *rank_cmd]
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
     on_linux = sys.platform == "linux"
-    proc = subprocess.Popen(cmd, env=child_env(args.ppn), start_new_session=True,
+    proc = subprocess.Popen(cmd, env=console_env(child_env(args.ppn), sys.stderr),
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
                             preexec_fn=rank_shim.die_with_parent if on_linux else None)
+    copiers = [threading.Thread(target=copy_output, args=(pipe, target, OutputFilter(
+                   quiet=not args.verbose)), daemon=True, name=f"spmd-run-{name}")
+               for name, pipe, target in (("stdout", proc.stdout, sys.stdout.buffer),
+                                          ("stderr", proc.stderr, sys.stderr.buffer))]
+    for copier in copiers:
+        copier.start()
 
     # SIGTERM/SIGINT: the ranks save and stop; those that have not ended after
     # checkpoint.timeout_s + launch.kill_wait_s (a stuck rank never reaches the step) are
@@ -293,6 +398,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        for copier in copiers:  # the ranks' last lines before this process's own
+            copier.join(timeout=DRAIN_S)
     if code < 0:  # mpiexec itself was killed (kill -9): its ranks end with it
         print(f"spmd run: {mpiexec.name} (pid {proc.pid}) was killed by "
               f"{signal.Signals(-code).name}; its ranks end with it (their saves in flight "

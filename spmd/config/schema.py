@@ -88,6 +88,12 @@ class RunConfig(_Section):
     dir: Path = Path("runs/default")
     log_every: int = Field(1, ge=1)
     progress: bool = True
+    log_level: Literal["info", "debug"] = Field(
+        "info", description="info: the console shows rank 0's phases, progress and messages, "
+        "and every rank's warnings and errors, while the internal `key=value` records go to "
+        "the rank logs (run.dir/logs) and events.jsonl only; debug: the console shows those "
+        "records too, and the rank logs get DEBUG records (`-v` on `spmd train` and `spmd "
+        "run` sets it).")
     plots: bool = True        # rank 0 writes run.dir/plots/*.png when training ends
     # A run.dir lease held from another host without a heartbeat this long is taken over.
     lease_stale_s: float = Field(300.0, gt=0)

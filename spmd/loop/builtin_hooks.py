@@ -28,7 +28,8 @@ from spmd.engine.state import learning_rate
 from spmd.errors import ExitCode
 from spmd.loop.hooks import StepInfo, Stop
 from spmd.loop.throughput import FlopRate
-from spmd.rundir.metrics import EventLog, JsonlWriter, Progress
+from spmd.rundir.console import Progress, phase_done
+from spmd.rundir.metrics import EventLog, JsonlWriter
 from spmd.rundir.trackers import Tracker, create_trackers, scalars_of
 from spmd.tasks import Task
 
@@ -38,16 +39,22 @@ SAMPLES_KEPT = 4  # examples of an eval batch kept in eval_sample.npz
 
 
 class StepClock:
-    """Seconds per step between two logged steps, minus time spent outside training."""
+    """Seconds per step between two logged steps, minus time spent outside training.
+
+    `began`: when training began (the first `lap`, which the trainer takes after compiling).
+    """
 
     def __init__(self, step: int):
         self._time, self._step, self._excluded = time.perf_counter(), step, 0.0
+        self.began: float | None = None
 
     def exclude(self, seconds: float) -> None:
         self._excluded += seconds
 
     def lap(self, step: int) -> float:
         now = time.perf_counter()
+        if self.began is None:
+            self.began = now
         seconds = (now - self._time - self._excluded) / max(step - self._step, 1)
         self._time, self._step, self._excluded = now, step, 0.0
         return seconds
@@ -145,9 +152,19 @@ class MetricsHook:
             self.progress.update(info.step, record["loss"], record["samples_per_s"],
                                  step_time * remaining)
 
+    def advance(self, info: StepInfo) -> None:
+        """Every step (the `progress` hook): the progress bar's count, with no device sync."""
+        if self.progress is not None:
+            self.progress.advance(info.step)
+
     def close(self, info: StepInfo | None = None) -> None:
         if self.progress is not None:
             self.progress.close()
+            steps = info.step - self.progress.start if info is not None else 0
+            if self.is_main and steps > 0 and self.clock.began is not None:
+                seconds = time.perf_counter() - self.clock.began
+                phase_done("training", seconds, f"steps {self.progress.start} -> {info.step}, "
+                           f"{steps / max(seconds, 1e-9):.2f} steps/s")
         self.writer.close()
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:

@@ -61,6 +61,7 @@ from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
 from spmd.loop.profiler_hook import ProfilerHook, profiling
 from spmd.loop.recipe import keep_data_order, previous_recipe, restore_state
 from spmd.loop.stragglers import StragglerMonitor
+from spmd.rundir.console import phase_done
 from spmd.rundir.lease import RunLease
 from spmd.rundir.metrics import EventLog, drop_records_after, setup_logging
 from spmd.tasks import Task
@@ -126,7 +127,7 @@ class Trainer:
             lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
                                      cfg.launch.barrier_timeout_s)
             run_dir.mkdir(parents=True, exist_ok=True)
-            setup_logging(run_dir, env.rank, debug)
+            setup_logging(run_dir, env.rank, debug, cfg.run.log_level)
             own_log = True
             if order_note is not None and env.rank == 0:
                 log.log(*order_note)
@@ -191,10 +192,14 @@ class Trainer:
         """The task's one-time preparation (rank 0), then every sharding and jitted step."""
         checked = self._checked or self.check(env)
         task = checked.task
+        began = time.perf_counter()
         task.prepare(env.rank == 0)
         if env.size > 1:
             multihost_utils.sync_global_devices("spmd:task-prepared")
+        phase_done("data", time.perf_counter() - began, "prepared (Task.prepare)")
+        began = time.perf_counter()
         rt = build_runtime(self.cfg, checked.mesh, task)
+        phase_done("model", time.perf_counter() - began, "shardings and jitted steps")
         shape = {k: v for k, v in rt.mesh.shape.items() if v > 1}
         log.info("task %s; mesh %s over %d devices, %d processes; params %s B total, %s B "
                  "per device", self.cfg.task, shape or "(all axes 1)", rt.mesh.size, env.size,
@@ -351,7 +356,8 @@ class Trainer:
                                               cfg.checkpoint.persistent_every), events)
         hooks += [Hook(preemption, 1, "preemption"),
                   Hook(stragglers.depart, 1, "stragglers-depart"),
-                  Hook(nonfinite, 1, "nonfinite"), Hook(metrics, cfg.run.log_every, "metrics")]
+                  Hook(nonfinite, 1, "nonfinite"), Hook(metrics, cfg.run.log_every, "metrics"),
+                  Hook(metrics.advance, 1, "progress")]
         if rt.eval_step is not None and cfg.train.eval_every:
             hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main, preemption),
                               cfg.train.eval_every, "evaluation"))

@@ -1,4 +1,4 @@
-"""What a run leaves behind: metrics.jsonl, events.jsonl, per-rank logs, rank-0 progress.
+"""What a run leaves behind: metrics.jsonl, events.jsonl, per-rank logs (the console: console.py).
 
 Invariants
 - metrics.jsonl holds each step's records once: a run resumed from step S first moves the
@@ -21,18 +21,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spmd.rundir.console import (
+    ConsoleFilter,
+    ConsoleFormatter,
+    ConsoleHandler,
+    Narrator,
+    NotConsoleOnly,
+    internal,
+)
+
 log = logging.getLogger("spmd")
 
 
-def setup_logging(run_dir: Path, rank: int, debug: bool = False) -> Path:
-    """Every rank logs to run_dir/logs/rank<r:05d>.log; rank 0 also to stderr (warnings: all
-    ranks)."""
+def setup_logging(run_dir: Path, rank: int, debug: bool = False,
+                  log_level: str = "info") -> Path:
+    """Every rank logs everything to run_dir/logs/rank<r:05d>.log; the console (stderr) gets
+    the lines for people of rank 0 and the warnings and errors of every rank
+    (spmd.rundir.console). `log_level` (run.log_level) "debug": DEBUG records too, and rank
+    0's console shows every record (the internal `key=value` ones as well); `debug`
+    (--debug): DEBUG records in the rank log."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / f"rank{rank:05d}.log"
     fmt = logging.Formatter(
         f"%(asctime)s rank {rank} {socket.gethostname()} %(levelname)s %(name)s: %(message)s"
     )
+    verbose = log_level == "debug"
     root = logging.getLogger()
     for h in list(root.handlers):
         # ours from an earlier call, and the bare stderr handler that a library's import-time
@@ -42,13 +56,14 @@ def setup_logging(run_dir: Path, rank: int, debug: bool = False) -> Path:
             root.removeHandler(h)
     file_handler = logging.FileHandler(path)
     file_handler.setFormatter(fmt)
-    stderr = logging.StreamHandler(sys.stderr)
-    stderr.setFormatter(fmt)
-    stderr.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    file_handler.addFilter(NotConsoleOnly())
+    stderr = ConsoleHandler()
+    stderr.setFormatter(ConsoleFormatter(fmt))
+    stderr.addFilter(ConsoleFilter(rank, verbose))
     for h in (file_handler, stderr):
         h._spmd = True  # type: ignore[attr-defined]
         root.addHandler(h)
-    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    root.setLevel(logging.DEBUG if debug or verbose else logging.INFO)
     for noisy in ("absl", "jax._src", "orbax", "etils"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return path
@@ -86,10 +101,16 @@ class EventLog(JsonlWriter):
     def __init__(self, path: Path, rank: int, enabled: bool = True):
         super().__init__(path, enabled)
         self.rank = rank
+        self.narrate = Narrator() if rank == 0 else None
 
     def emit(self, event: str, **fields: Any) -> None:
-        log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
+        """Write an event, log its `key=value` line (the rank log; the console only with
+        run.log_level=debug) and, on rank 0, say it in words when it ends a phase."""
+        log.info("%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()),
+                 extra=internal())
         self.record(event, **fields)
+        if self.narrate is not None:
+            self.narrate(event, fields)
 
     def record(self, event: str, **fields: Any) -> None:
         """Write an event without logging it (when the log or the CLI says it already)."""
@@ -159,51 +180,3 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-class Progress:
-    """A rich progress bar on rank 0 (step, loss, samples/s, ETA); plain lines without a TTY."""
-
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.enabled = enabled
-        self._bar = None
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.progress import Progress as RichProgress
-
-        console = Console(stderr=True)
-        self._plain = not console.is_terminal
-        self._total, self._last_print = total, 0.0
-        if not self._plain:
-            self._bar = RichProgress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                TimeRemainingColumn(), console=console, transient=False,
-            )
-            self._task = self._bar.add_task("train", total=total, completed=start, status="")
-            self._bar.start()
-
-    def update(self, step: int, loss: float, samples_per_s: float, eta_s: float | None) -> None:
-        if not self.enabled:
-            return
-        status = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s"
-        if self._bar is not None:
-            self._bar.update(self._task, completed=step, status=status)
-            return
-        now = time.time()
-        if now - self._last_print >= 2.0 or step == self._total:
-            eta = f"  ETA {eta_s:,.0f}s" if eta_s is not None else ""
-            print(f"step {step}/{self._total}  {status}{eta}", file=sys.stderr, flush=True)
-            self._last_print = now
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
