@@ -423,3 +423,14 @@ def make_plan(cfg: Config, mesh, system: str | None = None, config_name: str = "
     rt = runtime or build_runtime(cfg, mesh)
     compiled, seconds = rt.compile_train_step()
     return plan_from_compiled(rt, compiled, seconds, system, config_name, compiler_note)
+
+
+def plan_runtime(cfg: Config, mesh, task=None):
+    """The runtime `make_plan` compiles, built but not compiled: building it runs every
+    sharding, batch, pipeline and accumulation check (`spmd jobscript`, spmd.aot.job_check;
+    pass it to `make_plan(runtime=)` to compile it)."""
+    from spmd.config.load import build_task
+    from spmd.engine.engine_config import EngineSections
+    from spmd.engine.runtime import build_runtime
+
+    return build_runtime(EngineSections.of(cfg), mesh, task or build_task(cfg))

@@ -2,13 +2,22 @@
 
 Renders a batch script for a system profile to stdout (or --output), or submits it (--submit),
 or submits a chain of K jobs each waiting for the previous one (--chain K). The config is
-validated first, so a bad config fails here and not in the queue.
+checked first for the world the script will have (N nodes x the profile's GPUs per node):
+mesh axes, train.batch_size over the data-parallel ways, pipeline microbatches, and the
+memory of the compiled step (as `spmd plan` does, on stand-in devices; the memory only where
+the data set is on this host). A config that would fail at start-up fails here, in one line,
+before anything is written or submitted, and not after a wait in the queue. --setup adds the
+site's environment set-up (module loads, a virtualenv) to the script, before the launch line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spmd.hpc.batch_scripts import JobRequest
 
 
 def _count(option: str, minimum: int = 1):
@@ -33,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         epilog="systems: " + "; ".join(f"{n} ({s.scheduler}, {s.description})"
                                        for n, s in SYSTEMS.items()))
-    p.add_argument("config", help="YAML config file (validated now)")
+    p.add_argument("config", help="YAML config file (checked now, for the job's world)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted config overrides, passed on to `spmd train`")
     p.add_argument("--system", required=True, metavar="S",
@@ -53,6 +62,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job-name", metavar="NAME", help="default: spmd-<run.dir name>")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="export this in the script too (repeatable)")
+    p.add_argument("--setup", action="append", default=[], metavar="LINE|FILE",
+                   help="a shell line the script runs before the launch line, e.g. "
+                        "--setup 'module load rocm' or --setup 'source venv/bin/activate' "
+                        "(repeatable), or a file whose lines it runs; after the profile's "
+                        "own set-up lines, before its environment exports")
+    p.add_argument("--check", choices=("full", "layout", "none"), default="full",
+                   help="what to check for the job's world before rendering: full (default: "
+                        "mesh, batch, pipeline, shardings and the compiled step's memory, as "
+                        "`spmd plan`), layout (the same without compiling), none (the config "
+                        "file and overrides only)")
     p.add_argument("--signal-before", type=_count("--signal-before"), metavar="SECONDS",
                    help="warning signal this long before the time limit (default: 10%% of "
                         "--time, 30 s to 5 min)")
@@ -64,6 +83,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_for_world(req: JobRequest, config: str, level: str) -> str:
+    """The checks of `--check level` for the job's world; SpmdError (one line, naming the
+    system and its device count) when the job would fail at start-up; else a summary."""
+    from spmd.aot.job_check import check_world
+    from spmd.config.load import load_config
+    from spmd.errors import SpmdError
+
+    cfg = load_config(req.config, list(req.overrides))
+    world = req.describe_world()
+    try:
+        found = check_world(cfg, req.devices, nodes=req.nodes, system=req.system.name,
+                            compile=level == "full", config_name=config)
+    except SpmdError as e:
+        error = SpmdError(f"{config} for {world}: {e}")
+        error.exit_code = e.exit_code
+        raise error from None
+    for note in found.notes:
+        print(f"spmd jobscript: note: {note}", file=sys.stderr)
+    return f"checked for {world}: {found.summary()}"
+
+
 def run(args: argparse.Namespace) -> int:
     from spmd.hpc.batch_scripts import make_request, render, submit, submit_chain, write_script
 
@@ -72,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
         overrides=args.overrides, account=args.account, queue=args.queue,
         ranks_per_node=args.ranks_per_node, gpus_per_node=args.gpus_per_node,
         job_name=args.job_name, env=args.env, signal_lead_s=args.signal_before,
-        script_path=args.output)
+        script_path=args.output, setup=args.setup)
+    if args.check != "none":   # before anything is written or submitted
+        print(f"spmd jobscript: {check_for_world(req, args.config, args.check)}",
+              file=sys.stderr)
     for note in req.notes:
         print(f"spmd jobscript: note: {note}", file=sys.stderr)
     if not (args.submit or args.chain or args.output):

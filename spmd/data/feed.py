@@ -30,6 +30,7 @@ the part spent reading host data in the call or waiting for the threads; `total_
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -40,18 +41,45 @@ from jax.sharding import Mesh, NamedSharding
 
 from spmd.data.batch import BatchField, DataSource
 from spmd.data.prefetch import Prefetcher
+from spmd.errors import ConfigError
 from spmd.sharding import RuleTable, logical_to_spec
 
 
+def nearest_multiples(value: int, step: int) -> tuple[int, int]:
+    """The two multiples of `step` nearest to `value` (both positive): 16, 64 -> (64, 128)."""
+    below = value // step * step
+    return (below, below + step) if below else (step, 2 * step)
+
+
+def batch_size_error(batch_size: int, ways: int, mesh_axes: str,
+                     key: str = "train.batch_size") -> ConfigError:
+    """The one message for a batch that does not split over the data-parallel ways."""
+    low, high = nearest_multiples(batch_size, ways)
+    return ConfigError(f"{key}={batch_size} does not divide over the {ways} data-parallel ways "
+                       f"(mesh {mesh_axes}); use a multiple of {ways}: {low} or {high}")
+
+
 def batch_shardings(fields: Mapping[str, BatchField], batch_size: int, mesh: Mesh,
-                    rules: RuleTable) -> dict[str, NamedSharding]:
-    return {
-        name: NamedSharding(mesh, logical_to_spec(
-            f.axes, rules, dict(mesh.shape), shape=f.global_shape(batch_size),
-            path=f"batch/{name}", activation=True,
-        ))
-        for name, f in fields.items()
-    }
+                    rules: RuleTable, *, batch_key: str = "train.batch_size"
+                    ) -> dict[str, NamedSharding]:
+    """Each field's sharding; a batch its data axes do not divide is a ConfigError naming
+    `batch_key` (the config key or option that set `batch_size`) and the sizes that work."""
+    shape = dict(mesh.shape)
+    out = {}
+    for name, f in fields.items():
+        if f.axes[0] is not None:
+            spec = logical_to_spec(f.axes[:1], rules, shape, path=f"batch/{name}",
+                                   activation=True)
+            entry = spec[0] if len(spec) else None
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            ways = math.prod(shape[a] for a in axes)
+            if batch_size % ways:
+                raise batch_size_error(batch_size, ways,
+                                       " x ".join(f"{a}={shape[a]}" for a in axes), batch_key)
+        out[name] = NamedSharding(mesh, logical_to_spec(
+            f.axes, rules, shape, shape=f.global_shape(batch_size), path=f"batch/{name}",
+            activation=True))
+    return out
 
 
 def local_index_range(sharding: NamedSharding, global_shape: tuple[int, ...],
@@ -104,10 +132,10 @@ class BatchFeed:
 
     def __init__(self, fields: Mapping[str, BatchField], batch_size: int, mesh: Mesh,
                  rules: RuleTable, *, prefetch: int | None = None,
-                 read_threads: int | None = None):
+                 read_threads: int | None = None, batch_key: str = "train.batch_size"):
         self.fields = dict(fields)
         self.batch_size = batch_size
-        self.shardings = batch_shardings(fields, batch_size, mesh, rules)
+        self.shardings = batch_shardings(fields, batch_size, mesh, rules, batch_key=batch_key)
         self.ranges = {
             name: local_row_range(self.shardings[name], f.global_shape(batch_size))
             for name, f in self.fields.items()

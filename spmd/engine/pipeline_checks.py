@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from spmd.config.schema import MeshConfig, TrainConfig
+from spmd.data.feed import nearest_multiples
 from spmd.errors import ConfigError
 from spmd.sharding import (
     ACTIVATION_PREFIX,
@@ -123,8 +124,10 @@ def check_pipeline(train: TrainConfig, mesh_cfg: MeshConfig, task: Task, rules: 
     if t.batch_size % (t.microbatches * ways):
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by train.microbatches="
-            f"{t.microbatches} x {ways} data-parallel ways ({data_axes or 'none'}); "
-            f"change train.batch_size or train.microbatches")
+            f"{t.microbatches} x {ways} data-parallel ways ({data_axes or 'none'}); use a "
+            f"multiple of {t.microbatches * ways}: "
+            f"{' or '.join(map(str, nearest_multiples(t.batch_size, t.microbatches * ways)))}, "
+            f"or change train.microbatches")
     return PipelineSchedule(t.microbatches, t.pipeline_schedule, repeats)
 
 
@@ -138,8 +141,9 @@ def check_grad_accum(train: TrainConfig, rules: RuleTable, mesh: Mesh) -> None:
         raise ConfigError(
             f"train.batch_size={train.batch_size} is not divisible by train.grad_accum={k} x "
             f"{ways} data-parallel ways ({data_axes or 'none'}): each of the {k} microbatches "
-            f"must split evenly over the data axes; change train.batch_size or "
-            f"train.grad_accum")
+            f"must split evenly over the data axes; use a multiple of {k * ways}: "
+            f"{' or '.join(map(str, nearest_multiples(train.batch_size, k * ways)))}, or "
+            f"change train.grad_accum")
 
 
 def stage_summary(report: ShardingReport, rules: RuleTable, mesh: Mesh,

@@ -1,6 +1,7 @@
 """Batch scripts for a system profile: render (Jinja2 templates in jobscripts/), submit, chain.
 
-A rendered script asks for nodes and wall time, exports the profile's environment, runs
+A rendered script asks for nodes and wall time, runs the site's set-up lines (the profile's
+`setup` and `--setup`), exports the profile's environment, runs
 `spmd train CONFIG overrides...` on every rank under the system's launcher, forwards the
 scheduler's warning signal to the ranks and requeues the job when they exit with status 75
 (preempted, checkpoint saved). See the header of any rendered script for the protocol.
@@ -113,11 +114,37 @@ class JobRequest:
     env: tuple[tuple[str, str], ...] = ()
     script_path: Path | None = None
     command: tuple[str, ...] = ()  # each rank's command; () = `python -m spmd.cli train ...`
+    setup: tuple[str, ...] = ()       # --setup shell lines, after the profile's own
+    setup_args: tuple[str, ...] = ()  # the --setup values as given (files or lines)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def devices_per_rank(self) -> int:
+        """Devices each rank drives: its bound GPU, its share of the node's GPUs, or (no
+        GPUs) JAX_NUM_CPU_DEVICES from --env or the profile (default 1), as spmd.launch
+        decides at start-up."""
+        if not self.gpus_per_node:
+            value = dict(self.env).get("JAX_NUM_CPU_DEVICES",
+                                       self.system.env.get("JAX_NUM_CPU_DEVICES", "1"))
+            return int(value) if str(value).isdigit() and int(value) > 0 else 1
+        return self.system.gpus_per_rank or self.gpus_per_node // self.ranks_per_node
+
+    @property
+    def devices(self) -> int:
+        """The job's device count: the size of the mesh every rank builds."""
+        return self.ranks * self.devices_per_rank
+
+    def describe_world(self) -> str:
+        """E.g. 'frontier, 8 nodes x 8 GPUs = 64 devices'."""
+        per_node = self.ranks_per_node * self.devices_per_rank
+        unit = "GPU" if self.gpus_per_node else "CPU device"
+        return (f"{self.system.name}, {self.nodes} node{'s' * (self.nodes != 1)} x {per_node} "
+                f"{unit}{'s' * (per_node != 1)} = {self.devices} device"
+                f"{'s' * (self.devices != 1)}")
 
     @property
     def scheduler(self) -> Scheduler:
@@ -144,8 +171,12 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
                  gpus_per_node: int | None = None, job_name: str | None = None,
                  env: Sequence[str] | Mapping[str, str] = (), signal_lead_s: int | None = None,
                  script_path: str | Path | None = None,
-                 workdir: str | Path | None = None) -> JobRequest:
-    """Validate the options and the config (so a bad config fails before it is queued)."""
+                 workdir: str | Path | None = None, setup: Sequence[str] = ()) -> JobRequest:
+    """Validate the options and load the config (schema and overrides).
+
+    The checks against the world the job will have (mesh, batch, pipeline, memory) need
+    JAX and stand-in devices: `spmd.aot.job_check.check_job` runs them.
+    """
     from spmd.config.load import load_config
 
     profile = system_profile(system)
@@ -168,6 +199,10 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
     if profile.gpus_per_node and rpn > profile.gpus_per_node and profile.name != "slurm":
         raise SpmdError(f"--ranks-per-node {rpn} is more than the {profile.gpus_per_node} GPUs "
                         f"per node of '{profile.name}' (one rank per GPU)")
+    if gpus and not profile.gpus_per_rank and gpus % rpn:
+        fits = ", ".join(str(k) for k in range(1, gpus + 1) if gpus % k == 0)
+        raise SpmdError(f"--ranks-per-node {rpn} does not divide the {gpus} GPUs per node of "
+                        f"'{profile.name}' (each rank takes an equal share): use {fits}")
     if signal_lead_s is None:
         lead = default_signal_lead(walltime_s)
     else:
@@ -204,7 +239,37 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
         system=profile, config=config_path, overrides=overrides, run_dir=run_dir, nodes=nodes,
         walltime_s=walltime_s, ranks_per_node=rpn, gpus_per_node=gpus, job_name=name,
         signal_lead_s=lead, workdir=workdir, account=account, queue=queue, env=env_pairs,
-        script_path=Path(script_path).resolve() if script_path else None, notes=tuple(notes))
+        script_path=Path(script_path).resolve() if script_path else None,
+        setup=setup_lines(setup, workdir), setup_args=tuple(setup), notes=tuple(notes))
+
+
+def setup_lines(items: Sequence[str], workdir: Path | None = None) -> tuple[str, ...]:
+    """The shell lines of the --setup values: a file's lines (relative to `workdir`; without
+    its #! line), or the value itself (one line or several)."""
+    lines: list[str] = []
+    for item in items:
+        text = str(item)
+        word = text.strip()
+        single = bool(word) and not any(c.isspace() for c in word)   # a file name?
+        path = Path(word).expanduser()
+        if workdir is not None and not path.is_absolute():
+            path = workdir / path
+        if single and path.is_file():
+            try:
+                got = path.read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise SpmdError(f"--setup {text}: cannot read it ({e})") from None
+            if got and got[0].startswith("#!"):
+                got = got[1:]
+        elif single and ("/" in text or text.endswith(".sh")):
+            raise SpmdError(f"--setup {text}: no such file; give a file of shell lines or the "
+                            f"lines themselves, e.g. --setup 'module load rocm'")
+        else:
+            got = text.splitlines()
+        lines += [line.rstrip() for line in got]
+    while lines and not lines[-1]:
+        lines.pop()
+    return tuple(lines)
 
 
 def _split_env(item: str) -> tuple[str, str]:
@@ -248,6 +313,8 @@ def command_line(req: JobRequest) -> str:
             parts += [opt, value]
     for k, v in req.env:
         parts += ["--env", f"{k}={v}"]
+    for item in req.setup_args:  # one option per line: the command stays on one line
+        parts += [x for line in (item.splitlines() or [item]) for x in ("--setup", line)]
     return shlex.join(parts + list(req.overrides))
 
 
@@ -275,6 +342,7 @@ def render(req: JobRequest) -> str:
         "directives": directives,
         "xla_flags": " ".join(p.xla_flags),
         "env": list(p.env.items()) + list(req.env),
+        "setup": list(p.setup) + list(req.setup),
         "launcher": launcher, "train_command": " ".join(shlex.quote(a) for a in train),
         "bind_wrapper": (p.bind_wrapper.replace("{gpus_per_node}", str(req.gpus_per_node))
                          if p.bind_wrapper else None),

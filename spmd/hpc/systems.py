@@ -1,8 +1,10 @@
 """System profiles: scheduler, GPUs and their memory, launcher line and environment per machine.
 
-All machine-specific data lives here; `spmd jobscript` renders it into a batch script and
+All machine-specific data lives here; `spmd jobscript` renders it into a batch script (and
+checks the config for the world it gives: nodes x the devices each node's ranks drive) and
 `spmd plan` reads `gpus_per_node` / `device_memory_bytes`. Add a system by adding a
-`SystemProfile` to `SYSTEMS`.
+`SystemProfile` to `SYSTEMS`; its `setup` lines are the site's environment set-up (module
+loads) that every script of the system runs before the launch line.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class SystemProfile:
     `directives` are extra scheduler options (same fields), one per line, rendered after the
     directive prefix (`#SBATCH`, `#BSUB`, `#PBS`, `#flux:`). `account_option` / `queue_option` are
     templates for the account (project, bank) and queue (partition, QOS) options.
+    `gpus_per_rank` is 1 where the launcher binds one GPU to each rank (`--gpus-per-task=1`,
+    `jsrun -g1`, a binding wrapper); None where every rank sees all the node's GPUs and takes
+    an equal share of them (spmd.launch.devices). `setup` holds shell lines (e.g. `module load
+    ...`) that the script runs before the environment exports and the launch line;
+    `spmd jobscript --setup` appends the user's own.
     """
 
     name: str
@@ -93,6 +100,8 @@ class SystemProfile:
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     bind_wrapper: str | None = None  # shell body of a per-rank device-binding wrapper
     mpi: str | None = None            # srun --mpi=...; None = the site default
+    gpus_per_rank: int | None = None  # 1: the launcher binds one GPU per rank; None: shared
+    setup: tuple[str, ...] = ()       # site set-up lines, run before the launch line
 
 
 # Polaris: ALCF's set_affinity_gpu_polaris.sh, reversed because of the CPU-GPU affinity.
@@ -161,6 +170,11 @@ SYSTEMS: dict[str, SystemProfile] = {
             requires_account=True,
             xla_flags=GPU_XLA_FLAGS,
             env=_env(_AMD_ENV, _SLINGSHOT_RCCL_ENV),
+            gpus_per_rank=1,
+            # OLCF's JAX guidance: the GNU programming environment and ROCm (the
+            # jax ROCm plugin loads the site's ROCm libraries)
+            setup=("module load PrgEnv-gnu", "module load rocm",
+                   "module load craype-accel-amd-gfx90a"),
         ),
         _PERLMUTTER,
         dataclasses.replace(
@@ -185,6 +199,7 @@ SYSTEMS: dict[str, SystemProfile] = {
             directives=('-alloc_flags "gpumps smt1"',),
             xla_flags=GPU_XLA_FLAGS,
             env=_env(NVIDIA_GPU_ENV),
+            gpus_per_rank=1,
         ),
         SystemProfile(
             name="polaris",
@@ -206,6 +221,7 @@ SYSTEMS: dict[str, SystemProfile] = {
             xla_flags=GPU_XLA_FLAGS,
             env=_env(NVIDIA_GPU_ENV, _SLINGSHOT_NCCL_ENV),
             bind_wrapper=_POLARIS_BIND,
+            gpus_per_rank=1,
         ),
         SystemProfile(
             name="flux",
@@ -221,6 +237,7 @@ SYSTEMS: dict[str, SystemProfile] = {
             queue_option="--queue={}",
             xla_flags=GPU_XLA_FLAGS,
             env=_env(_AMD_ENV, _SLINGSHOT_RCCL_ENV),
+            gpus_per_rank=1,
         ),
     )
 }

@@ -1,4 +1,6 @@
-"""`spmd jobscript`: rendered directives per system, bad input, and the script's bash logic.
+"""`spmd jobscript`: rendered directives per system, bad input, the checks for the job's world
+(mesh, batch, pipeline, memory: before anything is written or submitted), --setup, and the
+script's bash logic.
 
 The trap / forward / requeue logic of every scheduler's template runs here for real under bash,
 with stub launchers (srun, jsrun, mpiexec, flux) that exec a fake rank, and stub requeue
@@ -33,6 +35,7 @@ from spmd.hpc.batch_scripts import (
     write_script,
 )
 from spmd.hpc.systems import GPU_XLA_FLAGS, SYSTEMS, system_profile
+from tests.helpers.env import run_spmd
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "mlp_tiny.yaml"
@@ -50,7 +53,8 @@ def launcher_line(text: str, word: str) -> str:
 
 
 def render_cli(capsys, *args: str) -> str:
-    assert main(["jobscript", str(CONFIG), *args]) == 0
+    """Rendering only: the checks for the job's world need its device count (tests below)."""
+    assert main(["jobscript", str(CONFIG), "--check", "none", *args]) == 0
     return capsys.readouterr().out
 
 
@@ -180,7 +184,8 @@ def test_every_script_is_valid_bash_and_complete(system, capsys, tmp_path):
 def test_output_file_written_executable(tmp_path, capsys):
     out = tmp_path / "x" / "job.sh"
     assert main(["jobscript", str(CONFIG), "--system", "frontier", "--nodes", "1", "--time",
-                 "10", "--output", str(out), f"run.dir={tmp_path / 'run'}"]) == 0
+                 "10", "--output", str(out), "--check", "none",
+                 f"run.dir={tmp_path / 'run'}"]) == 0
     assert out.exists() and os.access(out, os.X_OK)
     assert (tmp_path / "run").is_dir()  # the scheduler's output file goes there
     assert f"SPMD_SCRIPT={out}" in out.read_text()
@@ -272,8 +277,9 @@ def test_profile_xla_flags_parse_in_installed_jaxlib():
     (["--system", "slurm", "--nodes", "1", "--time", "5", "--chain", "0"], "--chain"),
     (["--system", "slurm", "--nodes", "1", "--time", "5", "train.stepz=3"], "train.stepz"),
     (["--system", "slurm", "--nodes", "1", "--time", "5", "--env", "1BAD"], "--env"),
-    (["--system", "summit", "--nodes", "1", "--time", "5", "--submit", "run.dir=/tmp/spmd-x"],
-     "bsub"),
+    (["--system", "summit", "--nodes", "1", "--time", "5", "--submit", "--check", "none",
+      "run.dir=/tmp/spmd-x"], "bsub"),
+    (["--system", "slurm", "--nodes", "1", "--time", "5", "--setup", "site/env.sh"], "--setup"),
 ])
 def test_bad_input_names_the_option(args, needle, tmp_path):
     env = {**os.environ, "PATH": f"{tmp_path}:{Path(sys.executable).parent}:/usr/bin:/bin"}
@@ -284,6 +290,154 @@ def test_bad_input_names_the_option(args, needle, tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
     if needle == "--system":
         assert "valid systems: slurm, frontier, perlmutter" in r.stderr
+
+
+# ---------------------------------------------------------------- checked for the job's world
+
+FNO = REPO / "configs" / "fno_darcy.yaml"
+
+
+def test_the_world_of_each_system():
+    def request(system: str, nodes: int = 8, **options):
+        return make_request(CONFIG, system=system, nodes=nodes, time="30", workdir=REPO,
+                            **options)
+
+    assert [request(s).devices for s in ("frontier", "summit", "polaris", "flux")] == \
+        [64, 48, 32, 32]
+    assert request("frontier").describe_world() == "frontier, 8 nodes x 8 GPUs = 64 devices"
+    assert request("frontier", ranks_per_node=2).devices == 16       # --gpus-per-task=1
+    assert request("perlmutter", ranks_per_node=1).devices == 32     # 1 rank drives 4 GPUs
+    assert request("slurm", nodes=2, gpus_per_node=4).devices == 8
+    cpu = request("slurm", nodes=2, ranks_per_node=2, env=["JAX_NUM_CPU_DEVICES=3"])
+    assert cpu.devices == 12 and cpu.describe_world().endswith("6 CPU devices = 12 devices")
+    from spmd.errors import SpmdError
+
+    with pytest.raises(SpmdError, match="--ranks-per-node 3 does not divide the 4 GPUs"):
+        request("perlmutter", ranks_per_node=3)
+
+
+def check_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`spmd jobscript` in this process, whose 8 CPU devices stand in for the 8 GPUs of 2 nodes
+    of the generic Slurm profile (which knows no device memory: no compile)."""
+    code = main(["jobscript", str(CONFIG), "--system", "slurm", "--nodes", "2",
+                 "--gpus-per-node", "4", "--time", "10", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_batch_the_world_does_not_divide_fails_in_one_line(capsys, tmp_path):
+    code, out, err = check_cli(capsys, "train.batch_size=12", f"run.dir={tmp_path / 'run'}")
+    assert code == ExitCode.USER_ERROR and out == ""
+    assert err.strip() == (
+        f"spmd jobscript: error: {CONFIG} for slurm, 2 nodes x 4 GPUs = 8 devices: "
+        "train.batch_size=12 does not divide over the 8 data-parallel ways (mesh data=8); "
+        "use a multiple of 8: 8 or 16")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["mesh.strategy=fsdp", "mesh.axes.data=2", "train.batch_size=6"],
+     ["train.batch_size=6 does not divide over the 8 data-parallel ways (mesh data=2 x fsdp=4)",
+      "use a multiple of 8: 8 or 16"]),
+    (["mesh.axes.data=3"], ["mesh.axes", "8 devices"]),
+    (["train.microbatches=2"], ["train.microbatches=2 needs pipeline stages"]),
+    (["train.grad_accum=4"], ["train.batch_size=16", "train.grad_accum=4", "8 data-parallel",
+                              "use a multiple of 32: 32 or 64"]),
+], ids=["batch-over-data-x-fsdp", "mesh-product", "microbatches", "grad-accum"])
+def test_world_checks_name_the_key_to_change(overrides, needles, capsys, tmp_path):
+    code, out, err = check_cli(capsys, *overrides, f"run.dir={tmp_path / 'run'}")
+    assert code == ExitCode.USER_ERROR and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "for slurm, 2 nodes x 4 GPUs = 8 devices: " in lines[0], err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_spmd_plan_names_train_batch_size_the_same_way(capsys):
+    assert main(["plan", str(CONFIG), "--devices", "8", "train.batch_size=100"]) == \
+        ExitCode.USER_ERROR
+    assert capsys.readouterr().err.strip() == (
+        "spmd plan: error: train.batch_size=100 does not divide over the 8 data-parallel ways "
+        "(mesh data=8); use a multiple of 8: 96 or 104")
+
+
+def test_a_failed_check_writes_and_submits_nothing(capsys, tmp_path, monkeypatch):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\necho 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    script = tmp_path / "job.sh"
+    code, out, err = check_cli(capsys, "--submit", "--chain", "3", "--output", str(script),
+                               "train.batch_size=12", f"run.dir={tmp_path / 'run'}")
+    assert code == ExitCode.USER_ERROR and "train.batch_size=12" in err and out == ""
+    assert not script.exists() and not calls.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_config_that_fits_the_world_renders(capsys, tmp_path):
+    code, out, err = check_cli(capsys, f"run.dir={tmp_path / 'run'}")
+    assert code == 0 and out.startswith("#!/bin/bash\n")
+    assert "spmd jobscript: checked for slurm, 2 nodes x 4 GPUs = 8 devices: mesh data=8" in err
+    assert "memory not checked: the 'slurm' profile does not know its device memory" in err
+
+
+def test_setup_lines_run_before_the_launch_line(capsys, tmp_path):
+    setup = tmp_path / "site.sh"
+    setup.write_text("#!/bin/bash\nmodule load cray-python\nsource /opt/venv/bin/activate\n\n")
+    text = render_cli(capsys, "--system", "frontier", "--nodes", "2", "--time", "30", "-A", "a",
+                      "--setup", str(setup), "--setup", "export SITE=1")
+    lines = text.splitlines()
+    order = [lines.index(x) for x in (
+        "set +u  # module and activate scripts may read unset variables",
+        *SYSTEMS["frontier"].setup, "module load cray-python", "source /opt/venv/bin/activate",
+        "export SITE=1")]
+    assert order == sorted(order), order
+    assert lines[order[-1] + 1] == "set -u"
+    launch = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert order[-1] < lines.index("export GPU_MAX_HW_QUEUES=2") < launch
+    assert "#!/bin/bash" not in lines[1:]     # the file's own #! line is left out
+    assert f"--setup {setup} --setup 'export SITE=1'" in text  # the command that renders it
+    path = tmp_path / "job.sh"
+    path.write_text(text)
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_profile_without_setup_renders_none(capsys):
+    text = render_cli(capsys, "--system", "polaris", "--nodes", "1", "--time", "30", "-A", "a")
+    assert not SYSTEMS["polaris"].setup and "Site set-up" not in text and "set +u" not in text
+
+
+@pytest.mark.slow   # 2 x `spmd jobscript` on 32-64 stand-in devices, about 7 s each
+@pytest.mark.parametrize("system,batch", [("frontier", 64), ("summit", 48), ("polaris", 64)])
+def test_readme_example_is_checked_for_the_machine(system, batch, tmp_path):
+    args = ["jobscript", str(FNO), "--system", system, "--nodes", "8", "--time", "2:00:00",
+            "--account", "ABC", f"run.dir={tmp_path / 'run'}"]
+    r = run_spmd(*args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == ExitCode.USER_ERROR and r.stdout == "" and len(lines) == 1, r.stderr
+    ways = SYSTEMS[system].gpus_per_node * 8
+    assert f"train.batch_size=16 does not divide over the {ways} data-parallel ways" in lines[0]
+    assert f"use a multiple of {ways}: {ways} or {2 * ways}" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+    r = run_spmd(*args, "--setup", "module load site-env", f"train.batch_size={batch}")
+    assert r.returncode == 0, r.stderr
+    assert f"checked for {system}, 8 nodes x {SYSTEMS[system].gpus_per_node} GPUs" in r.stderr
+    lines = r.stdout.splitlines()
+    launch = next(i for i, line in enumerate(lines)
+                  if line.startswith(("srun ", "jsrun ", "mpiexec ")))
+    assert lines.index("module load site-env") < launch
+
+
+@pytest.mark.slow   # compiles the step for 6 stand-in devices
+def test_memory_that_does_not_fit_fails_before_the_queue(tmp_path):
+    r = run_spmd("jobscript", str(CONFIG), "--system", "summit", "--nodes", "1", "--time", "30",
+                 "-A", "a", "train.batch_size=12", "model.d_in=8192", "model.d_hidden=65536",
+                 f"run.dir={tmp_path / 'run'}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == ExitCode.DOES_NOT_FIT and r.stdout == "" and len(lines) == 1, r.stderr
+    assert "summit, 1 node x 6 GPUs = 6 devices: does not fit summit" in lines[0]
 
 
 # ---------------------------------------------------------------- the script's logic, for real
