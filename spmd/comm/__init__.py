@@ -8,6 +8,8 @@ Owns every conversation among ranks above the bootstrap:
   preemption agreement over each rank's `spmd.launch.PreemptionWatcher`);
 - `agreement`: `Coordinator`, gather-decide-broadcast of JSON votes over the key-value store,
   callable from any thread (the checkpoint's decisions);
+- `prepare_wait`: `prepare_on_rank0`, rank 0's one-time data preparation before any
+  collective, the other ranks waiting for it (launch.prepare_timeout_s) and saying so;
 - `errors`: `AgreementError`, `AgreementTimeout`.
 Every wait is bounded, and its error names the rank, the host and the config key of the
 timeout. May import `spmd.launch` (MPI, the LaunchEnv, the preemption watcher) and

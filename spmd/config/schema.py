@@ -259,6 +259,12 @@ class LaunchConfig(_Section):
     # `spmd run` on SIGTERM/SIGINT: ranks that have not ended checkpoint.timeout_s + this
     # many seconds after it (a stuck rank never reaches its save) are killed (Slurm's KillWait).
     kill_wait_s: float = Field(30.0, ge=0)
+    prepare_timeout_s: float = Field(
+        7200.0, gt=0, description="Seconds the other ranks wait for rank 0's one-time data "
+        "preparation before training (Task.prepare: making a missing data set, an index, "
+        "statistics), logging what they wait for every 30 s. The wait is over the key-value "
+        "store, before any collective, so it has no other deadline; past this, the job fails "
+        "naming the rank. Make the data beforehand (`spmd data make`) to skip the wait.")
 
 
 class Config(_Section):

@@ -31,6 +31,7 @@ from spmd.checkpoint import Checkpointer, Restored, create_checkpointer
 from spmd.comm import RankGroup, StopVote
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog, publish_host
 from spmd.comm.job_failure import FailureWatch, announce
+from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.engine.axis_rules import axis_rules
@@ -193,7 +194,10 @@ class Trainer:
         checked = self._checked or self.check(env)
         task = checked.task
         began = time.perf_counter()
-        task.prepare(env.rank == 0)
+        # rank 0 first, the others waiting over the key-value store (no collective yet: the
+        # first one, below, would give up after Gloo's fixed 30 s), bounded by
+        # launch.prepare_timeout_s and saying what they wait for
+        prepare_on_rank0(env, task.prepare, self.cfg.launch.prepare_timeout_s)
         if env.size > 1:
             multihost_utils.sync_global_devices("spmd:task-prepared")
         phase_done("data", time.perf_counter() - began, "prepared (Task.prepare)")
@@ -227,6 +231,8 @@ class Trainer:
         else:
             state, start = rt.init(), 0
             events.emit("initialized", step=0, seconds=round(time.perf_counter() - began, 4))
+        if restored is not None and start >= cfg.train.steps:  # a rerun of a finished run
+            return self._already_finished(start, is_main, events, checkpointer)
 
         if is_main and restored is not None:  # steps after the restored one were lost
             replayed = drop_records_after(run_dir / "metrics.jsonl", start)
@@ -302,6 +308,22 @@ class Trainer:
                 log.info("hook %s also asked to stop at step %d (%s); %s's stop stands",
                          hook.name, info.step, request.reason, stopped.hook)
         return info, stopped
+
+    def _already_finished(self, step: int, is_main: bool, events: EventLog,
+                          checkpointer: Checkpointer) -> int:
+        """The restored step is train.steps or past it: nothing to train, so nothing is
+        compiled; says so, records the end for `spmd report`, exits OK (every rank restored
+        the same step, so all return here together)."""
+        total = self.cfg.train.steps
+        if is_main:
+            state = (f"already finished at step {step} (train.steps={total})" if step == total
+                     else f"is already at step {step}, past train.steps={total}")
+            log.warning("run.dir %s %s: nothing to do; raise train.steps to train further",
+                        self.cfg.run.dir, state)
+        checkpointer.close()
+        events.emit("finished", step=step, reason="nothing to do: train.steps reached before")
+        self.exit_code = ExitCode.OK
+        return self.exit_code
 
     @staticmethod
     def _end(step: int, stopped: Stopped | None, events: EventLog) -> int:

@@ -161,3 +161,20 @@ def test_retention_deletes_the_same_steps_on_every_rank_however_slow_its_listing
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["5"]
     saved = [e for e in events(run_dir, "saved") if e["tier"] == "persistent"]
     assert [e["dropped"] for e in saved if e["rank"] == 0] == [[], [1], [2], [3], [4]]
+
+
+def test_a_rerun_of_a_finished_run_says_so_and_exits_0_without_compiling(reference, tmp_path):
+    """Issue 34: the restored step is train.steps, so nothing is left to train: the rerun says
+    so, records its end for `spmd report`, and compiles nothing."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    compiled_before = len(events(run_dir, "compiled"))
+    rerun = train(2, run_dir, *CKPT)
+    assert rerun.returncode == 0, rerun.stderr[-6000:]
+    assert (f"run.dir {run_dir} already finished at step 12 (train.steps=12): nothing to do; "
+            "raise train.steps to train further") in rerun.stderr, rerun.stderr[-3000:]
+    assert len(events(run_dir, "compiled")) == compiled_before
+    assert "compil" not in (rerun.stdout + rerun.stderr).lower()
+    assert {(e["step"], e["source"]) for e in events(run_dir, "restored")} == {(12, "local")}
+    last = events(run_dir)[-1]
+    assert (last["event"], last["step"]) == ("finished", 12) and "nothing to do" in last["reason"]
