@@ -103,15 +103,15 @@ class NotConsoleOnly(logging.Filter):
 
 class ConsoleFormatter(logging.Formatter):
     """Lines for people (INFO that is not internal) as they are; warnings, errors and the
-    internal records of a verbose console in the rank log's format (time, rank, host, level,
-    logger), which says where they come from."""
+    internal and DEBUG records of a verbose console in the rank log's format (time, rank,
+    host, level, logger), which says where they come from."""
 
     def __init__(self, full: logging.Formatter):
         super().__init__("%(message)s")
         self.full = full
 
     def format(self, record: logging.LogRecord) -> str:
-        if record.levelno < logging.WARNING and not is_internal(record):
+        if record.levelno == logging.INFO and not is_internal(record):
             return super().format(record)
         return self.full.format(record)
 

@@ -37,9 +37,9 @@ def setup_logging(run_dir: Path, rank: int, debug: bool = False,
                   log_level: str = "info") -> Path:
     """Every rank logs everything to run_dir/logs/rank<r:05d>.log; the console (stderr) gets
     the lines for people of rank 0 and the warnings and errors of every rank
-    (spmd.rundir.console). `log_level` (run.log_level) "debug": DEBUG records too, and rank
-    0's console shows every record (the internal `key=value` ones as well); `debug`
-    (--debug): DEBUG records in the rank log."""
+    (spmd.rundir.console). `log_level` (run.log_level) "debug": spmd's DEBUG records too,
+    and rank 0's console shows every record (the internal `key=value` ones as well); `debug`
+    (--debug): every library's DEBUG records in the rank log."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / f"rank{rank:05d}.log"
@@ -63,7 +63,9 @@ def setup_logging(run_dir: Path, rank: int, debug: bool = False,
     for h in (file_handler, stderr):
         h._spmd = True  # type: ignore[attr-defined]
         root.addHandler(h)
-    root.setLevel(logging.DEBUG if debug or verbose else logging.INFO)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    # run.log_level=debug: spmd's own DEBUG records (not every library's, as --debug)
+    logging.getLogger("spmd").setLevel(logging.DEBUG if verbose else logging.NOTSET)
     for noisy in ("absl", "jax._src", "orbax", "etils"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return path

@@ -27,8 +27,8 @@ SAVED = {"tier": "local", "step": 10, "mode": "async", "seconds": 0.18,
 @pytest.fixture
 def logs(tmp_path, capsys):
     """setup_logging(rank, log_level) into tmp_path; the root logger is put back after."""
-    root = logging.getLogger()
-    before, level = list(root.handlers), root.level
+    root, own = logging.getLogger(), logging.getLogger("spmd")
+    before, level, own_level = list(root.handlers), root.level, own.level
 
     def setup(rank: int = 0, log_level: str = "info"):
         return setup_logging(tmp_path / f"r{rank}{log_level}", rank, log_level=log_level)
@@ -42,6 +42,7 @@ def logs(tmp_path, capsys):
         if h not in root.handlers:
             root.addHandler(h)
     root.setLevel(level)
+    own.setLevel(own_level)
 
 
 def emit_run(path, rank: int) -> None:
@@ -76,10 +77,16 @@ def test_key_value_records_go_to_the_rank_log_not_the_console(logs, capsys):
 def test_log_level_debug_shows_the_key_value_records_on_the_console(logs, capsys):
     path = logs(rank=0, log_level="debug")
     emit_run(path, 0)
+    logging.getLogger("spmd.checkpoint").debug("a debug record of spmd")
+    logging.getLogger("asyncio").debug("a debug record of a library")
     console = capsys.readouterr().err
     assert "INFO spmd: saved tier=local step=10 mode=async" in console
     assert "released the lease" in console
     assert phase_line("save step 10", 0.18, "local tier") in console
+    # spmd's DEBUG records too, in the rank log's format; not every library's
+    assert "DEBUG spmd.checkpoint: a debug record of spmd" in console
+    assert "a debug record of spmd" in path.read_text()
+    assert "a debug record of a library" not in console + path.read_text()
 
 
 def test_other_ranks_show_only_warnings_on_the_console(logs, capsys):
