@@ -89,12 +89,14 @@ def n_params(m) -> int:
 def compile_size(name: str, overrides: list[str], device, limit, limit_fraction: float):
     """Compile spmd's step for one size on `device`: (rt, compiled, plan, fits)."""
     from spmd.aot.plan import plan_from_compiled
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
     cfg = load_config(CONFIG, [*COMMON, *overrides])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, [device]))
+    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, [device]),
+                       build_task(cfg))
     compiled, seconds = rt.compile_train_step()
     plan = plan_from_compiled(rt, compiled, seconds, config_name=name)
     fits = limit is None or plan.peak_bytes <= limit_fraction * limit
@@ -107,7 +109,7 @@ def plain_pair(rt, state):
     import numpy as np
     from plain_lm import make_step
 
-    m, o = rt.cfg.model, rt.cfg.optimizer
+    m, o = rt.task.cfg.model, rt.sections.optimizer
     attention = _attention_of(rt)
     tx, step = make_step(dtype=jax.numpy.dtype(m.dtype), attention=attention, remat=m.remat,
                          lr=o.lr,
@@ -122,7 +124,7 @@ def _attention_of(rt) -> str:
     """The attention implementation spmd resolved for this model (auto made concrete)."""
     from spmd.tasks.lm import resolve_attention
 
-    return resolve_attention(rt.cfg.model)
+    return resolve_attention(rt.task.cfg.model)
 
 
 def run_size(name: str, overrides: list[str], device, limit, args, peak) -> dict:
@@ -134,7 +136,7 @@ def run_size(name: str, overrides: list[str], device, limit, args, peak) -> dict
     from common import interleaved, median_ci, paired_ratios
 
     rt, compiled, plan, fits = compile_size(name, overrides, device, limit, args.headroom)
-    cfg, m = rt.cfg, rt.cfg.model
+    cfg, m = rt.task.cfg, rt.task.cfg.model
     record = {"size": name, "params": n_params(m), "num_layers": m.num_layers,
               "d_model": m.d_model, "d_ff": m.d_ff, "seq_len": m.seq_len,
               "vocab_size": m.vocab_size, "batch_size": cfg.train.batch_size,

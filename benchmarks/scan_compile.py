@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             jax.clear_caches()
             cfg = load_config(CONFIG, [*base, f"model.remat={remat}",
                                        f"model.scan_layers={str(scan).lower()}"])
-            rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+            rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:1]),
+                               build_task(cfg))
             compiled, seconds = rt.compile_train_step()
             results.append({"scan_layers": scan, "remat": remat, "compile_s": round(seconds, 2),
                             "hlo_lines": compiled.as_text().count("\n")})

@@ -238,14 +238,16 @@ def build_pair(overrides: list[str], strategy: str, num_devices: int):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
     # The baseline is the unrolled program with XLA attention: pin spmd to the same.
     cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", "model.scan_layers=false",
                                "model.attention=xla", *overrides])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+                       build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)   # device-resident, reused
     spmd_state = rt.init()
 
@@ -337,12 +339,12 @@ def run_case(name: str, overrides: list[str], num_devices: int, steps: int, reps
 
 def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: int) -> dict:
     """spmd's step + MetricsHook with run.trackers=[tensorboard] vs [] (interleaved reps)."""
-    import dataclasses
     import tempfile
 
     import jax
 
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
     from spmd.loop.builtin_hooks import MetricsHook, StepClock
@@ -350,7 +352,8 @@ def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: i
     from spmd.rundir.metrics import EventLog
 
     cfg = load_config(CONFIG, ["run.progress=false", "run.log_every=1", *overrides])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+                       build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)
     root = Path(tempfile.mkdtemp(prefix="spmd-tracker-bench-"))
     box, runners, hooks = {}, {}, []
@@ -358,9 +361,8 @@ def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: i
         run_dir = root / key
         run_dir.mkdir()
         run = cfg.run.model_copy(update={"dir": run_dir, "trackers": trackers})
-        rt_key = dataclasses.replace(rt, cfg=cfg.model_copy(update={"run": run}))
-        hook = MetricsHook(rt_key, run_dir, EventLog(run_dir / "events.jsonl", 0), True,
-                           StepClock(0))
+        hook = MetricsHook(rt, run_dir, EventLog(run_dir / "events.jsonl", 0), True,
+                           StepClock(0), cfg.model_copy(update={"run": run}))
         hook.start(StepInfo(step=0, state=None, metrics={}))
         hooks.append(hook)
         box[key] = (rt.init(), 0)
@@ -426,13 +428,13 @@ def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
                         reps: int) -> dict:
     """The loop's step + metrics hook, with (on) the straggler monitor and the non-finite
     checks or (off) neither, in interleaved repetitions (module docstring)."""
-    import dataclasses
     import socket
     import tempfile
 
     import jax
 
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
     from spmd.engine.state import replicated
@@ -442,7 +444,8 @@ def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
     from spmd.rundir.metrics import EventLog
 
     cfg = load_config(CONFIG, ["run.progress=false", "run.log_every=1", *overrides])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+                       build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)
     inner = rt.train_step.__wrapped__          # spmd's step function, before jax.jit
 
@@ -473,9 +476,9 @@ def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
         run_dir = root / key
         run_dir.mkdir()
         run = cfg.run.model_copy(update={"dir": run_dir, "trackers": []})
-        rt_key = dataclasses.replace(rt, cfg=cfg.model_copy(update={"run": run}))
         events = EventLog(run_dir / "events.jsonl", 0)
-        metrics = MetricsHook(rt_key, run_dir, events, True, StepClock(0))
+        metrics = MetricsHook(rt, run_dir, events, True, StepClock(0),
+                              cfg.model_copy(update={"run": run}))
         metrics.start(StepInfo(step=0, state=None, metrics={}))
         closers.append(metrics.close)
         hooks = [metrics]
@@ -546,14 +549,16 @@ def run_recipe_case(overrides: list[str], num_devices: int, steps: int, reps: in
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
     cfg = load_config(CONFIG, ["mesh.strategy=dp", "model.scan_layers=false",
                                "model.attention=xla", *overrides, *RECIPE])
     t = cfg.train
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:num_devices]))
+    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+                       build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)
     spmd_state = rt.init()
     mesh, spec_of, tx, step_fn = baseline_program(cfg, list(rt.mesh.devices.flat), "dp",

@@ -4,7 +4,8 @@
     watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME, env=env)
     priority, reason = watcher.request()                    # what this rank alone has seen
 
-Owns what one rank sees of the job; may import nothing of the project but `spmd.errors`.
+Owns what one rank sees of the job, and the `launch:` section (`launch_config`); may import
+nothing of the project but `spmd.errors`.
 Making every rank agree on a stop at one step is `spmd.comm.StopVote`, a layer up.
 """
 

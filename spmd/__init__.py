@@ -28,7 +28,7 @@ _PUBLIC = {
     "TrajectoryTask": "spmd.tasks.trajectory_task",
     "BatchField": "spmd.data.batch",
     "DataSource": "spmd.data.batch",
-    "ModelConfig": "spmd.config.schema",
+    "ModelConfig": "spmd.tasks.base",
     "Config": "spmd.config.schema",
     "load_config": "spmd.config.load",
     "Trainer": "spmd.loop.trainer",

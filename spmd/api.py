@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from spmd.config.load import config_from_dict, load_config, task_class, with_overrides
+from spmd.config.load import (
+    config_from_dict,
+    load_config,
+    overridden,
+    task_class,
+    with_overrides,
+)
 from spmd.config.schema import Config
 from spmd.errors import ConfigError
 from spmd.loop.hooks import Hook, HookFn
@@ -24,7 +30,8 @@ def as_config(config: Config | str | Path | dict | None, overrides: list[str] | 
             return config
         config = config.model_dump(mode="json", by_alias=True)
     if isinstance(config, dict):
-        return config_from_dict(with_overrides(config, overrides or []), "<dict>", task)
+        return config_from_dict(with_overrides(config, overrides or []), "<dict>", task,
+                                overridden(overrides))
     return load_config(config, overrides, task)
 
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from spmd.config.schema import Config
 from spmd.errors import ExitCode, SpmdError
+
+if TYPE_CHECKING:
+    from spmd.config.schema import Config
 
 GiB = 1 << 30
 GENERIC_GPU = ("generic-80g", 80 * GiB)      # the default target: a generic 80 GB GPU
@@ -366,7 +369,7 @@ def plan_from_compiled(rt, compiled, seconds: float, system: str | None = None,
     import jax
 
     name, memory, fraction = target_memory(system)
-    cfg, state, n = rt.cfg, rt.state.abstract, rt.mesh.size
+    cfg, state, n = rt.sections, rt.state.abstract, rt.mesh.size
     mem = compiled.memory_analysis()
     per_example = rt.task.flops_per_example()
     analytic = per_example * cfg.train.batch_size / n if per_example else None
@@ -411,16 +414,17 @@ def _pipeline_figures(rt, collectives: list[Collective]) -> dict | None:
 
 
 def make_plan(cfg: Config, mesh, system: str | None = None, config_name: str = "<config>",
-              runtime=None, compiler_note: str = "") -> Plan:
+              runtime=None, compiler_note: str = "", task=None) -> Plan:
     """Compile the train step for `mesh` ahead of time and collect the per-device figures.
+
+    `cfg` is split here, at the tool's entry: the task is built from it (or `task`), the
+    engine gets its own sections (`EngineSections`). `runtime`: one already built.
 
     The compiler is the one of the mesh's devices: CPU stand-ins, or abstract CUDA devices
     from `spmd.aot.topologies.plan_devices` (the GPU compiler, for the profile's GPU).
     """
-    from spmd.engine.runtime import build_runtime
-
     target_memory(system)  # fail on a bad --system before compiling
-    rt = runtime or build_runtime(cfg, mesh)
+    rt = runtime or plan_runtime(cfg, mesh, task)
     compiled, seconds = rt.compile_train_step()
     return plan_from_compiled(rt, compiled, seconds, system, config_name, compiler_note)
 

@@ -2,12 +2,12 @@
 
 Owns: the `Checkpointer` the trainer talks to and its builder from the `checkpoint:`
 section (`create_checkpointer`), both tiers (`local`, `persistent`), the snapshot a save
-blocks for (`snapshot`), when each tier is due and where it lives (`policy`), restore
-planning (`restore`), the ranks' agreement on each commit (`coordination`), partner transport
-over MPI (`transport`), the on-disk formats and their listing and verification (`layout`,
-`files`, `listing`). May import `spmd.comm`, `spmd.config` (its schema), `spmd.launch`,
-`spmd.sharding`, `spmd.rundir` (the event log) and `spmd.errors`; never the engine, the
-loop or a task: what it saves follows from the state's own shardings.
+blocks for (`snapshot`), the `checkpoint:` section itself with when each tier is due and
+where it lives (`policy`), restore planning (`restore`), the ranks' agreement on each commit
+(`coordination`), partner transport over MPI (`transport`), the on-disk formats and their
+listing and verification (`layout`, `files`, `listing`). May import `spmd.comm`,
+`spmd.launch`, `spmd.sharding`, `spmd.rundir` (the event log) and `spmd.errors`; never the
+engine, the loop or a task: what it saves follows from the state's own shardings.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spmd.checkpoint.interface import Checkpointer, CheckpointError, NullCheckpointer, Restored
-from spmd.checkpoint.policy import SavePolicy
-from spmd.config.schema import CheckpointConfig
+from spmd.checkpoint.policy import CheckpointConfig, SavePolicy
 from spmd.launch import LaunchEnv
 from spmd.rundir.metrics import EventLog
 

@@ -49,12 +49,11 @@ from spmd.checkpoint.persistent import (
     split_state,
     without_fields,
 )
-from spmd.checkpoint.policy import SavePolicy, tier_dirs
+from spmd.checkpoint.policy import CheckpointConfig, SavePolicy, tier_dirs
 from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
 from spmd.checkpoint.snapshot import Snapshot, Snapshotter
 from spmd.checkpoint.transport import Transport
-from spmd.config.schema import CheckpointConfig
 
 if TYPE_CHECKING:
     from mpi4py import MPI

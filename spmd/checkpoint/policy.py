@@ -1,12 +1,63 @@
-"""Where each tier lives and when it is due (shared by the checkpointer and `spmd ckpt`)."""
+"""The `checkpoint:` section, where each tier lives and when it is due (shared by the
+checkpointer and `spmd ckpt`).
+
+`CheckpointConfig` lives here, next to the policy built from it; this module imports nothing
+of spmd (pydantic only), and `spmd.config` assembles the section into the run's `Config`.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from spmd.config.schema import CheckpointConfig
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CheckpointConfig(BaseModel):
+    """checkpoint: the two tiers (node-local, persistent), when each is written and what a
+    save blocks for (docs/checkpointing.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    every: int = Field(0, ge=0, description="Steps between node-local saves (0: never).")
+    persistent_every: int = Field(
+        0, ge=0, description="Steps between persistent-tier saves (0: never).")
+    final: bool = Field(
+        True, description="The last step of a run that ends (finished, or stopped by a hook) "
+        "is committed to the persistent tier whatever `every` and `persistent_every` say, so "
+        "that every finished run is loadable (spmd.load, spmd eval/predict/export). false: no "
+        "such final save.")
+    local_dir: Path | None = Field(
+        None, description="The node-local tier (/dev/shm, NVMe, burst buffer; $VARS and ~ "
+        "expand, e.g. /mnt/bb/$USER/$SLURM_JOB_ID). null: run.dir/local.")
+    persistent_dir: Path | None = Field(
+        None, description="The persistent tier. null: run.dir/checkpoints.")
+    keep: int = Field(
+        2, ge=1, description="Steps kept per tier (plus the newest with finite parameters).")
+    partner: bool | None = Field(
+        None, description="Partner copies of the node-local tier on another node. null: on "
+        "when there is more than one node.")
+    async_: bool = Field(
+        True, alias="async", description="Write in the background while training goes on.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="The bound on every checkpoint wait, in seconds.")
+    compress: bool = Field(
+        False, description="zstd in the persistent tier (Orbax's default: on).")
+    snapshot: Literal["auto", "alias", "host", "pinned", "device"] = Field(
+        "auto", description="What a save blocks for: auto | alias (CPU: zero-copy views, as "
+        "Orbax) | host (D2H into reused host buffers) | pinned (D2H into pinned host memory) | "
+        "device (on-device copy, D2H in the background). See spmd/checkpoint/snapshot.py.")
+    local_failure: Literal["continue", "stop"] = Field(
+        "continue", description="A node-local save that fails (full or broken node-local "
+        "disk): `continue` logs it and trains on, saving to the persistent tier; `stop` ends "
+        "the run as any failed save does.")
+    params_only: bool = Field(
+        False, description="Resuming with a different optimizer.name than the run's previous "
+        "job (its config.yaml): restore the parameters only, with a fresh optimizer state, and "
+        "go on from the checkpoint's step. Without it such a resume is an error. With the same "
+        "optimizer.name, the whole state is restored as always.")
 
 
 def _expand(path: Path | str) -> Path:

@@ -38,10 +38,10 @@ def _jax_report() -> dict[str, Any]:
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     from spmd.config.load import load_config
-    from spmd.config.schema import LaunchConfig
     from spmd.launch import bootstrap, coordinator, devices, mpi
     from spmd.launch.env import resolve_launch_env
     from spmd.launch.errors import LaunchError
+    from spmd.launch.launch_config import LaunchConfig
 
     launch_cfg = load_config(args.config, args.overrides).launch if args.config else LaunchConfig()
     timeout = args.timeout or launch_cfg.init_timeout_s

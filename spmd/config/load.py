@@ -1,14 +1,17 @@
 """Loading a run configuration: YAML + dotted `key=value` overrides, validated once.
 
 Unknown keys are errors that name the closest known key; every other problem names
-the dotted key to fix. The core takes the resulting `Config`, never dicts. The `model:`
-section is validated by the task's own `Config`, so loading resolves the task
-(`spmd.tasks.registry`); the schema itself (`spmd.config.schema`) knows no task.
+the dotted key to fix, and where it was set: the YAML file (`configs/x.yaml: train.steps:
+...`) or the command line, with the override as given (`command line: train.steps=abc:
+...`). The core takes the resulting `Config`, never dicts. The `model:` section is
+validated by the task's own `Config`, so loading resolves the task (`spmd.tasks.registry`).
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,32 @@ def build_task(cfg: Config):
 
 
 
+@dataclass(frozen=True)
+class _Blame:
+    """Where a dotted key was set: an override on the command line (named with its value, as
+    given), else the config file `source`."""
+
+    source: str
+    overrides: Mapping[str, str] = field(default_factory=dict)  # dotted key -> "key=value"
+
+    def override_of(self, dotted: str) -> str | None:
+        """The override that set `dotted`, a key under it or the section above it."""
+        for key, pair in self.overrides.items():
+            if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + "."):
+                return pair
+        return None
+
+    def prefix(self, dotted: str) -> str:
+        pair = self.override_of(dotted)
+        return f"command line: {pair}: " if pair is not None else f"{self.source}: "
+
+    def line(self, dotted: str, msg: str) -> str:
+        pair = self.override_of(dotted)
+        if pair is not None:
+            return f"command line: {pair}: {msg}"
+        return f"{self.source}: {dotted or 'config'}: {msg}"
+
+
 def _section_class(cls: type[BaseModel], key: str, raw_value: Any) -> type[BaseModel] | None:
     """The pydantic class for `cls.key` if it is a section (resolving the model union)."""
     if cls is Config and key == "model":
@@ -45,7 +74,7 @@ def _known_keys(cls: type[BaseModel]) -> list[str]:
     return [f.alias or name for name, f in cls.model_fields.items()]
 
 
-def _check_keys(raw: Any, cls: type[BaseModel], prefix: str) -> None:
+def _check_keys(raw: Any, cls: type[BaseModel], prefix: str, blame: _Blame) -> None:
     if not isinstance(raw, dict):
         return
     known = _known_keys(cls)
@@ -56,12 +85,12 @@ def _check_keys(raw: Any, cls: type[BaseModel], prefix: str) -> None:
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
             raise ConfigError(
-                f"unknown config key '{dotted}'{hint} (known keys under "
+                f"{blame.prefix(dotted)}unknown config key '{dotted}'{hint} (known keys under "
                 f"'{prefix.rstrip('.') or 'top level'}': {', '.join(known)})"
             )
         sub = _section_class(cls, by_alias[key], value)
         if sub is not None:
-            _check_keys(value, sub, dotted + ".")
+            _check_keys(value, sub, dotted + ".", blame)
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -95,21 +124,29 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def _format_validation(e: ValidationError, prefix: str = "") -> str:
+def _format_validation(e: ValidationError, blame: _Blame, prefix: str = "") -> str:
+    """One line per error, each naming the dotted key and where it was set."""
     lines = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        lines.append(f"{prefix}{loc or 'config'}: {err['msg']}".rstrip("."))
+        dotted = f"{prefix}{loc}" if loc else prefix.rstrip(".")
+        line = blame.line(dotted, err["msg"]).rstrip(".")
+        if line not in lines:
+            lines.append(line)
     return "; ".join(lines)
 
 
-def config_from_dict(raw: dict, source: str = "<config>", task: type | None = None) -> Config:
+def config_from_dict(raw: dict, source: str = "<config>", task: type | None = None,
+                     overrides: Mapping[str, str] | None = None) -> Config:
     """Validate a raw config; the `model:` section against its task's own `Config` class.
 
     The task is `task` when given (the Python API), else the config's `task: module:Class`,
     else the task registered under `model.name` (default: transformer). The resolved config
     names its task as `module:Class`, so its config.yaml reproduces the run on its own.
+    `overrides` (dotted key -> the `key=value` given) are the keys set on the command line:
+    their errors name the override, every other error names `source`.
     """
+    blame = _Blame(source, dict(overrides or {}))
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{source}: top level must be a mapping of sections, got {type(raw).__name__}"
@@ -118,30 +155,31 @@ def config_from_dict(raw: dict, source: str = "<config>", task: type | None = No
         raw = migrate_deprecated(raw)
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
-    _check_keys(raw, Config, "")
+    _check_keys(raw, Config, "", blame)
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, dict):
-        raise ConfigError(f"{source}: model: must be a mapping of the task's model keys, "
-                          f"got {type(model_raw).__name__}")
+        raise ConfigError(f"{blame.prefix('model')}model: must be a mapping of the task's "
+                          f"model keys, got {type(model_raw).__name__}")
     if "name" in model_raw and model_raw["name"] is None:  # a dumped Config() without a task
         model_raw = {k: v for k, v in model_raw.items() if k != "name"}
     try:
         cls = task or resolve_task(raw.get("task"), model_raw.get("name"))
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        key = "task" if blame.override_of("task") is not None else "model.name"
+        raise ConfigError(f"{blame.prefix(key)}{e}") from None
     section = getattr(cls, "Config", None)
     if not (isinstance(section, type) and issubclass(section, BaseModel)):
         raise ConfigError(f"{source}: task {task_path(cls)}: its class attribute Config must be "
                           f"a pydantic model (subclass spmd.ModelConfig)")
-    _check_keys(model_raw, section, "model.")
+    _check_keys(model_raw, section, "model.", blame)
     try:
         model = section.model_validate(model_raw)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_format_validation(e, 'model.')}") from None
+        raise ConfigError(_format_validation(e, blame, "model.")) from None
     try:
         return Config.model_validate({**raw, "task": task_path(cls), "model": model})
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_format_validation(e)}") from None
+        raise ConfigError(_format_validation(e, blame)) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None,
@@ -163,7 +201,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {p} does not parse as YAML: {e}") from None
     if overrides:
         raw = with_overrides(raw if isinstance(raw, dict) else {}, overrides)
-    return config_from_dict(raw, source, task)
+    return config_from_dict(raw, source, task, overridden(overrides))
+
+
+def overridden(overrides: list[str] | None) -> dict[str, str]:
+    """Dotted key -> the `key=value` override as given, for `config_from_dict` to blame an
+    error on the command line (the last override of a key wins, as in `with_overrides`)."""
+    return {pair.partition("=")[0].strip(): pair for pair in overrides or []}
 
 
 def with_overrides(raw: dict, overrides: list[str]) -> dict:

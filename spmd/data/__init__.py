@@ -7,7 +7,8 @@ time windows of stored trajectories (spmd.data.windows). Stores and formats
 (HDF5, NetCDF4, Zarr, .npy) live in spmd.data.stores, many files as one dataset in
 spmd.data.file_index, background reads in spmd.data.prefetch (docs/data.md).
 
-Owns the batch layout types (`batch`: `BatchField`, `DataSource`), sources and the feed.
+Owns the batch layout types (`batch`: `BatchField`, `DataSource`), sources, the feed and
+the `data:` section (`data_config`: `DataConfig`, `WindowConfig`).
 May import `spmd.sharding` and `spmd.errors`; tasks import this layer, never the reverse.
 """
 

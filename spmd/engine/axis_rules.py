@@ -19,7 +19,7 @@ import logging
 
 import jax
 
-from spmd.config.schema import MeshConfig
+from spmd.engine.engine_config import MeshConfig
 from spmd.sharding import RuleTable, ShardingReport, rules_for
 from spmd.sharding.report import replication_warning
 from spmd.sharding.rules import flax_rules

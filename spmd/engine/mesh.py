@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from spmd.config.schema import MeshConfig
+from spmd.engine.engine_config import MeshConfig
 from spmd.errors import ConfigError
 from spmd.sharding import MESH_AXES, preset
 

@@ -26,8 +26,8 @@ import math
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmd.config.schema import MeshConfig, TrainConfig
 from spmd.data.feed import nearest_multiples
+from spmd.engine.engine_config import MeshConfig, TrainConfig
 from spmd.errors import ConfigError
 from spmd.sharding import (
     ACTIVATION_PREFIX,

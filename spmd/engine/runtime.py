@@ -1,4 +1,12 @@
-"""Everything compiled for one config on one mesh: layouts, feed, jitted init/train/eval."""
+"""Everything compiled for one config on one mesh: layouts, feed, jitted init/train/eval.
+
+The engine reads its own sections only (`EngineSections`: mesh, train, optimizer,
+schedule), never the whole run `Config`, and is handed a built task: resolving the task from
+the config is the caller's (spmd.config.build_task). `check_rules` runs every check that
+needs no model (rule table, pipeline, gradient accumulation, EMA evaluation) once; the
+trainer runs it before anything is written in run.dir and hands its result to
+`build_runtime`.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +18,9 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from spmd.config.load import build_task
-from spmd.config.schema import Config
 from spmd.data.feed import BatchFeed
 from spmd.engine.axis_rules import axis_rules, warn_replication
+from spmd.engine.engine_config import EngineSections
 from spmd.engine.pipeline_checks import check_grad_accum, check_pipeline
 from spmd.engine.state import (
     ModelLayout,
@@ -32,9 +39,34 @@ from spmd.sharding.pipeline import PipelineSchedule
 from spmd.tasks import Task
 
 
+@dataclass(frozen=True)
+class CheckedRules:
+    """What `check_rules` resolved: the rule table, and the pipeline schedule when the rules
+    split layers into stages."""
+
+    rules: RuleTable
+    schedule: PipelineSchedule | None
+
+
+def check_rules(sections: EngineSections, task: Task, mesh: Mesh) -> CheckedRules:
+    """Every check of the engine's sections against the task and the mesh that needs no
+    model, raising the error that names the config key: the rule table (`mesh.rules`, the
+    task's own rules, `mesh.axis_aliases`), the pipeline and gradient-accumulation settings,
+    and `train.eval_ema` without an EMA."""
+    train = sections.train
+    rules = axis_rules(sections.mesh, task)
+    schedule = check_pipeline(train, sections.mesh, task, rules, mesh)
+    check_grad_accum(train, rules, mesh)
+    if train.eval_ema and train.ema_decay is None:
+        raise ConfigError("train.eval_ema=true evaluates with the EMA of the parameters, but "
+                          "train.ema_decay is null (no EMA is kept): set train.ema_decay "
+                          "(e.g. 0.999) or train.eval_ema=false")
+    return CheckedRules(rules, schedule)
+
+
 @dataclass
 class Runtime:
-    cfg: Config
+    sections: EngineSections   # the config sections it was built from (not the whole Config)
     task: Task
     mesh: Mesh
     rules: RuleTable
@@ -57,7 +89,7 @@ class Runtime:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """ShapeDtypeStructs of one global batch, carrying the feed's shardings."""
-        return {name: jax.ShapeDtypeStruct(f.global_shape(self.cfg.train.batch_size), f.dtype,
+        return {name: jax.ShapeDtypeStruct(f.global_shape(self.sections.train.batch_size), f.dtype,
                                            sharding=self.feed.shardings[name])
                 for name, f in self.feed.fields.items()}
 
@@ -74,41 +106,40 @@ class Runtime:
     def eval_params(self, state: TrainState) -> dict:
         """The parameters evaluation uses: the EMA's (cast to the parameters' dtypes) with
         `train.eval_ema`, else the state's own."""
-        if self.cfg.train.eval_ema and state.ema is not None:
+        if self.sections.train.eval_ema and state.ema is not None:
             return ema_as_params(state.ema, self.state.abstract.params)
         return state.params
 
 
-def build_runtime(cfg: Config, mesh: Mesh, task: Task | None = None) -> Runtime:
-    """Resolve every sharding (failing early with precise errors) and build the jitted steps."""
-    task = task or build_task(cfg)
-    rules = axis_rules(cfg.mesh, task)
-    schedule = check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
-    check_grad_accum(cfg.train, rules, mesh)
-    if cfg.train.eval_ema and cfg.train.ema_decay is None:
-        raise ConfigError("train.eval_ema=true evaluates with the EMA of the parameters, but "
-                          "train.ema_decay is null (no EMA is kept): set train.ema_decay "
-                          "(e.g. 0.999) or train.eval_ema=false")
-    model = model_layout(task, cfg.train.seed, rules, mesh)
-    tx = make_optimizer(cfg, task, model)   # the weight-decay mask reads the layout
-    model.report.check_replicated_fraction(cfg.mesh.max_replicated_fraction)
-    warn_replication(model.report, cfg.mesh)   # nothing replicated silently: log it
-    state = state_layout(model, tx, rules, mesh, ema=cfg.train.ema_decay is not None)
-    feed = BatchFeed(task.batch_fields(), cfg.train.batch_size, mesh, rules)
+def build_runtime(sections: EngineSections, mesh: Mesh, task: Task,
+                  checked: CheckedRules | None = None) -> Runtime:
+    """Resolve every sharding (failing early with precise errors) and build the jitted steps.
+
+    `checked`: `check_rules(sections, task, mesh)`'s result when the caller ran the checks
+    already (the trainer, before run.dir is touched); without it they run here.
+    """
+    train = sections.train
+    checked = checked or check_rules(sections, task, mesh)
+    rules, schedule = checked.rules, checked.schedule
+    model = model_layout(task, train.seed, rules, mesh)
+    tx = make_optimizer(sections, task, model)   # the weight-decay mask reads the layout
+    model.report.check_replicated_fraction(sections.mesh.max_replicated_fraction)
+    warn_replication(model.report, sections.mesh)   # nothing replicated silently: log it
+    state = state_layout(model, tx, rules, mesh, ema=train.ema_decay is not None)
+    feed = BatchFeed(task.batch_fields(), train.batch_size, mesh, rules)
     train_step = make_train_step(task, model, state, tx, feed.shardings, mesh, rules,
-                                 donate=cfg.train.donate, schedule=schedule,
-                                 grad_accum=cfg.train.grad_accum,
-                                 ema_decay=cfg.train.ema_decay)
+                                 donate=train.donate, schedule=schedule,
+                                 grad_accum=train.grad_accum, ema_decay=train.ema_decay)
     eval_fields = task.eval_batch_fields()
-    eval_feed = (BatchFeed(eval_fields, cfg.train.batch_size, mesh, rules)
+    eval_feed = (BatchFeed(eval_fields, train.batch_size, mesh, rules)
                  if eval_fields is not None else feed)
     eval_step = (make_eval_step(task, model, state, eval_feed.shardings, mesh, rules, schedule,
-                                seed=cfg.train.seed)
+                                seed=train.seed)
                  if task.eval_source() is not None else None)
     has_samples = type(task).sample_outputs is not Task.sample_outputs
     sample_step = (make_sample_step(task, model, state, eval_feed.shardings, mesh, rules,
                                     schedule)
                    if eval_step is not None and has_samples else None)
-    return Runtime(cfg, task, mesh, rules, tx, model, state, feed,
-                   init_state_fn(task, cfg.train.seed, tx, state), train_step, eval_step,
+    return Runtime(sections, task, mesh, rules, tx, model, state, feed,
+                   init_state_fn(task, train.seed, tx, state), train_step, eval_step,
                    sample_step, schedule, eval_feed)

@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd.config.schema import Config
+from spmd.engine.engine_config import EngineSections
 from spmd.errors import ConfigError, SpmdError
 from spmd.optim import build_optimizer, build_schedule, decay_mask, with_clipping
 from spmd.optim.state_sharding import opt_state_shardings
@@ -97,11 +97,11 @@ def task_rngs(key: jax.Array) -> nnx.Rngs:
                     dropout=jax.random.fold_in(key, _TASK_DROPOUT))
 
 
-def learning_rate(cfg: Config) -> optax.Schedule:
+def learning_rate(sections: EngineSections) -> optax.Schedule:
     """The learning-rate schedule: `schedule` (spmd.optim.schedules) peaking at
     `optimizer.lr`, over `train.steps`. One definition for the optimizer and for the `lr`
     that metrics.jsonl logs (update k, the one that makes step k, uses `schedule(k - 1)`)."""
-    return build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.steps)
+    return build_schedule(sections.schedule, sections.optimizer.lr, sections.train.steps)
 
 
 # optax.apply_if_finite applies a non-finite update after this many in a row; the trainer
@@ -109,9 +109,9 @@ def learning_rate(cfg: Config) -> optax.Schedule:
 _NEVER = 2**30
 
 
-def make_optimizer(cfg: Config, task: Task | None = None,
+def make_optimizer(sections: EngineSections, task: Task | None = None,
                    layout: ModelLayout | None = None) -> optax.GradientTransformation:
-    """The `optimizer:` section's update rule on `learning_rate(cfg)` (or the task's own,
+    """The `optimizer:` section's update rule on `learning_rate(sections)` (or the task's own,
     `Task.optimizer`), after global-norm clipping (`optimizer.grad_clip`).
 
     Weight decay applies where `optimizer.no_decay` says (spmd.optim.optimizers), judged by
@@ -120,20 +120,21 @@ def make_optimizer(cfg: Config, task: Task | None = None,
     are not finite leaves parameters and optimizer state as they were, and the optimizer
     state counts skips (`skips`, `skips_in_a_row` in the step's metrics).
     """
-    schedule = learning_rate(cfg)
+    schedule = learning_rate(sections)
     tx = task.optimizer(schedule) if task is not None else None
     if tx is None:
         axes = ({p.path: tuple(p.logical_axes) for p in layout.report.params}
                 if layout is not None else None)
         try:
-            tx = build_optimizer(cfg.optimizer, schedule, decay_mask(cfg.optimizer.no_decay, axes))
+            tx = build_optimizer(sections.optimizer, schedule,
+                                 decay_mask(sections.optimizer.no_decay, axes))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     elif not isinstance(tx, optax.GradientTransformation):
         raise ConfigError(f"task {type(task).__name__}: optimizer() returned "
                           f"{type(tx).__name__}, not an optax.GradientTransformation (or None)")
-    tx = with_clipping(tx, cfg.optimizer.grad_clip)
-    if cfg.train.nonfinite == "skip":
+    tx = with_clipping(tx, sections.optimizer.grad_clip)
+    if sections.train.nonfinite == "skip":
         tx = optax.apply_if_finite(tx, max_consecutive_errors=_NEVER)
     return tx
 

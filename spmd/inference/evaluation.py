@@ -9,6 +9,7 @@ so evaluating the last step of a run reproduces the last evaluation in its metri
 from __future__ import annotations
 
 from spmd.config.load import build_task
+from spmd.engine.engine_config import EngineSections
 from spmd.engine.runtime import build_runtime
 from spmd.errors import SpmdError
 from spmd.inference.loading import Trained
@@ -32,7 +33,7 @@ def evaluate_split(trained: Trained, split: str = "test") -> dict[str, float]:
         raise SpmdError(f"--split {split}: task {cfg.task} evaluates with its own batch layout "
                         f"(eval_batch_fields(), e.g. rollout targets) on its test split "
                         f"only; use --split test")
-    rt = build_runtime(cfg, trained.mesh, task)
+    rt = build_runtime(EngineSections.of(cfg), trained.mesh, task)
     assert rt.eval_step is not None
     source = task.eval_source() if split == "test" else task.train_source()
     return evaluate(rt, trained.params, None, source)

@@ -29,10 +29,11 @@ from spmd.checkpoint.params_reader import (
     find_checkpoints,
     read_params,
 )
-from spmd.checkpoint.policy import tier_dirs
+from spmd.checkpoint.policy import CheckpointConfig, tier_dirs
 from spmd.config.load import build_task, load_config
 from spmd.config.schema import Config
 from spmd.engine.axis_rules import axis_rules
+from spmd.engine.engine_config import MeshConfig
 from spmd.engine.mesh import build_mesh
 from spmd.engine.state import ModelLayout, ema_as_params, ema_dtype, model_layout
 from spmd.errors import SpmdError
@@ -104,14 +105,16 @@ def run_config(where: RunLocation, overrides: list[str] | None = None) -> Config
     return cfg
 
 
-def find_checkpoint(where: RunLocation, cfg: Config, step: int | None) -> ParamsCheckpoint:
-    """The checkpoint `where` and `step` select: the newest of both tiers by default."""
+def find_checkpoint(where: RunLocation, section: CheckpointConfig,
+                    step: int | None) -> ParamsCheckpoint:
+    """The checkpoint `where` and `step` select: the newest of both tiers (the run's
+    `checkpoint:` section places them) by default."""
     if where.step is not None:
         if step is not None and step != where.step:
             raise SpmdError(f"{where.tier_root / str(where.step)} is step {where.step}, but "
                             f"step {step} was asked for")
         step = where.step
-    local_dir, persistent_dir = tier_dirs(cfg.checkpoint, where.run_dir)
+    local_dir, persistent_dir = tier_dirs(section, where.run_dir)
     if where.tier_root is not None:
         root = where.tier_root.absolute()
         found = [c for c in find_checkpoints(root, root) if c.path.parent == root]
@@ -129,9 +132,12 @@ def single_device_mesh(device: jax.Device | None = None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def run_mesh(cfg: Config, node_of_process: list[int] | None = None) -> Mesh:
-    """The run's mesh (`mesh:` section) rebuilt over every device of this job."""
-    return build_mesh(cfg.mesh, jax.devices(), node_of_process)
+def run_mesh(section: MeshConfig | Config, node_of_process: list[int] | None = None) -> Mesh:
+    """The run's mesh (its `mesh:` section, or a run's `Config`'s) rebuilt over every device
+    of this job."""
+    if not isinstance(section, MeshConfig):
+        section = section.mesh
+    return build_mesh(section, jax.devices(), node_of_process)
 
 
 def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
@@ -150,7 +156,7 @@ def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
     """
     where = locate(path)
     cfg = run_config(where, overrides)
-    ckpt = find_checkpoint(where, cfg, step)
+    ckpt = find_checkpoint(where, cfg.checkpoint, step)
     task = build_task(cfg)
     mesh = mesh if mesh is not None else single_device_mesh()
     rules = axis_rules(cfg.mesh, task)
@@ -186,7 +192,7 @@ def trained_job(path: str | Path, step: int | None = None,
     env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
                     heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
     try:
-        yield load(path, step, mesh=run_mesh(cfg, env.node_of_rank), overrides=overrides), env
+        yield load(path, step, mesh=run_mesh(cfg.mesh, env.node_of_rank), overrides=overrides), env
     finally:
         if env.size > 1:
             shutdown()

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.config.schema import TrainConfig
+from spmd.config.schema import Config
 from spmd.data.batch import DataSource
+from spmd.engine.engine_config import TrainConfig
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import learning_rate
 from spmd.errors import ExitCode
@@ -92,13 +93,15 @@ class MetricsHook:
     the task gives FLOPs (spmd.loop.throughput), and the step's own metrics."""
 
     def __init__(self, rt: Runtime, run_dir: Path, events: EventLog, is_main: bool,
-                 clock: StepClock):
-        self.rt, self.events, self.clock = rt, events, clock
+                 clock: StepClock, config: Config | None = None):
+        # config: the run's, for run.progress, run.trackers and what trackers record (None:
+        # no progress line, no trackers)
+        self.rt, self.events, self.clock, self.config = rt, events, clock, config
         self.run_dir = run_dir
         self.writer = JsonlWriter(run_dir / "metrics.jsonl", enabled=is_main)
-        self.batch = rt.cfg.train.batch_size
+        self.batch = rt.sections.train.batch_size
         self.units = rt.task.tokens_per_example()
-        self.schedule = learning_rate(rt.cfg)   # the optimizer's own definition
+        self.schedule = learning_rate(rt.sections)   # the optimizer's own definition
         self.host = jax.devices("cpu")[0]   # the schedule is evaluated here, not on a GPU
         self.flop_rate = FlopRate.create(rt.task.flops_per_example(), self.batch,
                                          rt.mesh.size, rt.mesh.devices.flat[0].device_kind)
@@ -109,10 +112,10 @@ class MetricsHook:
         self.fields_of: list[Callable[[int], dict]] = []
 
     def start(self, info: StepInfo) -> None:
-        cfg = self.rt.cfg
-        self.progress = Progress(cfg.train.steps, info.step,
-                                 enabled=self.is_main and cfg.run.progress)
-        if self.is_main and cfg.run.trackers:
+        cfg = self.config
+        self.progress = Progress(self.rt.sections.train.steps, info.step,
+                                 enabled=self.is_main and cfg is not None and cfg.run.progress)
+        if self.is_main and cfg is not None and cfg.run.trackers:
             self.trackers = create_trackers(cfg.run.trackers, self.run_dir,
                                             cfg.model_dump(mode="json", by_alias=True),
                                             cfg.to_yaml())
@@ -148,7 +151,7 @@ class MetricsHook:
             self.events.emit("nonfinite_loss", step=info.step, loss=str(record["loss"]))
         self.record(record)
         if self.progress is not None:
-            remaining = self.rt.cfg.train.steps - info.step
+            remaining = self.rt.sections.train.steps - info.step
             self.progress.update(info.step, record["loss"], record["samples_per_s"],
                                  step_time * remaining)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import jax
 
-from spmd.config.schema import ProfileConfig
 from spmd.loop.hooks import StepInfo
 from spmd.rundir.metrics import EventLog
+from spmd.rundir.run_config import ProfileConfig
 
 log = logging.getLogger("spmd.loop.profiler")
 

@@ -38,6 +38,7 @@ import yaml
 from spmd.checkpoint import Checkpointer, CheckpointError, Restored
 from spmd.config.schema import Config, migrate_deprecated
 from spmd.data.order import FULL_SHUFFLE
+from spmd.engine.engine_config import EngineSections
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import ADDED_FIELDS, fill_ema, train_rng
 from spmd.errors import ConfigError
@@ -59,7 +60,7 @@ class Recipe:
         return str(self.values.get("optimizer.name", "adamw"))
 
     @classmethod
-    def of(cls, cfg: Config) -> Recipe:
+    def of(cls, cfg: EngineSections | Config) -> Recipe:
         return cls(_recipe_values(cfg.optimizer.model_dump(mode="json"),
                                   cfg.schedule.model_dump(mode="json"), cfg.train.steps))
 
@@ -148,11 +149,10 @@ def keep_data_order(cfg: Config, run_dir: Path) -> tuple[Config, tuple[int, str]
 
 
 def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | None,
-                  run_dir: Path, events: Any) -> Restored | None:
+                  run_dir: Path, events: Any, params_only: bool = False) -> Restored | None:
     """Collective: the restored state as this config's recipe allows (module docstring), or
-    None (nothing to restore: initialize)."""
-    cfg, is_main = rt.cfg, jax.process_index() == 0
-    params_only = cfg.checkpoint.params_only
+    None (nothing to restore: initialize). `params_only`: `checkpoint.params_only`."""
+    cfg, is_main = rt.sections, jax.process_index() == 0
     current = Recipe.of(cfg)
     old_name, new_name = (previous.optimizer_name if previous else None), cfg.optimizer.name
     if old_name is not None and old_name != new_name:
@@ -206,12 +206,12 @@ def _params_only(rt: Runtime, checkpointer: Checkpointer, why: str) -> Restored 
         step=jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step),
         params=params,
         opt_state=jax.jit(rt.tx.init, out_shardings=shardings.opt_state)(params),
-        rng=jax.device_put(train_rng(rt.cfg.train.seed), shardings.rng),
+        rng=jax.device_put(train_rng(rt.sections.train.seed), shardings.rng),
         ema=None)
     if shardings.ema is not None:
         state = fill_ema(state, shardings)
     if jax.process_index() == 0:
         log.warning("checkpoint.params_only (%s): restored the parameters of step %d alone; "
                     "the %s optimizer state starts fresh, training goes on from step %d",
-                    why, restored.step, rt.cfg.optimizer.name, restored.step)
+                    why, restored.step, rt.sections.optimizer.name, restored.step)
     return dataclasses.replace(restored, state=state)

@@ -34,10 +34,9 @@ from spmd.comm.job_failure import FailureWatch, announce
 from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
-from spmd.engine.axis_rules import axis_rules
+from spmd.engine.engine_config import EngineSections
 from spmd.engine.mesh import build_mesh
-from spmd.engine.pipeline_checks import check_grad_accum, check_pipeline
-from spmd.engine.runtime import Runtime, build_runtime
+from spmd.engine.runtime import CheckedRules, Runtime, build_runtime, check_rules
 from spmd.engine.state import TrainState, fill_ema, train_rng
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import (
@@ -78,10 +77,12 @@ class Stopped(NamedTuple):
 
 
 class Checked(NamedTuple):
-    """What `Trainer.check` built before run.dir was touched: the task and the mesh."""
+    """What `Trainer.check` built before run.dir was touched: the task, the mesh and the
+    checked rules (`build_runtime` does not check them again)."""
 
     task: Task
     mesh: Mesh
+    rules: CheckedRules
 
 
 class Trainer:
@@ -184,10 +185,7 @@ class Trainer:
         cfg = self.cfg
         task = self.task or build_task(cfg)
         mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
-        rules = axis_rules(cfg.mesh, task)
-        check_pipeline(cfg.train, cfg.mesh, task, rules, mesh)
-        check_grad_accum(cfg.train, rules, mesh)
-        return Checked(task, mesh)
+        return Checked(task, mesh, check_rules(EngineSections.of(cfg), task, mesh))
 
     def build(self, env: LaunchEnv) -> Runtime:
         """The task's one-time preparation (rank 0), then every sharding and jitted step."""
@@ -202,7 +200,7 @@ class Trainer:
             multihost_utils.sync_global_devices("spmd:task-prepared")
         phase_done("data", time.perf_counter() - began, "prepared (Task.prepare)")
         began = time.perf_counter()
-        rt = build_runtime(self.cfg, checked.mesh, task)
+        rt = build_runtime(EngineSections.of(self.cfg), checked.mesh, task, checked.rules)
         phase_done("model", time.perf_counter() - began, "shardings and jitted steps")
         shape = {k: v for k, v in rt.mesh.shape.items() if v > 1}
         log.info("task %s; mesh %s over %d devices, %d processes; params %s B total, %s B "
@@ -219,7 +217,8 @@ class Trainer:
         rt = self.build(env)
         began = time.perf_counter()
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
-        restored = restore_state(rt, checkpointer, previous, run_dir, events)
+        restored = restore_state(rt, checkpointer, previous, run_dir, events,
+                                 cfg.checkpoint.params_only)
         if is_main:  # only a config that builds (task, mesh, shardings) and restores (the
             # recipe may change: spmd.loop.recipe) replaces the run's
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -242,7 +241,7 @@ class Trainer:
         clock = StepClock(start)
         self._hang = StepWatchdog(env, cfg.launch.step_timeout_s,
                                   on_hang=lambda report: record_hang(run_dir, events, report))
-        metrics = MetricsHook(rt, run_dir, events, is_main, clock)
+        metrics = MetricsHook(rt, run_dir, events, is_main, clock, cfg)
         hooks = self._hooks(rt, env, events, checkpointer, metrics)
         info = StepInfo(step=start, state=state, metrics={}, final=start >= cfg.train.steps)
         stopped: Stopped | None = None
@@ -397,7 +396,7 @@ def fill_missing(rt: Runtime, restored: Restored) -> TrainState:
     the checkpoint lacks (saved before train.ema_decay was set) starts from its params."""
     state = restored.state
     if "rng" in restored.missing:
-        seed = rt.cfg.train.seed
+        seed = rt.sections.train.seed
         state = state.replace(rng=jax.device_put(train_rng(seed), rt.state.shardings.rng))
         if jax.process_index() == 0:
             log.info("the checkpoint of step %d holds no RNG key (written before the train "

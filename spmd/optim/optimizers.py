@@ -62,38 +62,54 @@ _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _EMBEDDING_NAME = re.compile(r"^(?:.*_)?(?:embed|embedding|embeddings)$")
 
 
+def _takes(parameter: str) -> str:
+    """A per-optimizer parameter's description: which optimizers take it."""
+    names = ", ".join(n for n, ps in PARAMETERS.items() if parameter in ps)
+    return f"Passed to optax as `{parameter}` by {names}; null: optax's default."
+
+
 class OptimizerConfig(BaseModel):
     """optimizer: the update rule, its peak learning rate, weight decay and clipping."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = "adamw"
-    lr: float = Field(1e-3, gt=0)          # the peak learning rate (schedule: its shape)
-    weight_decay: float = Field(0.0, ge=0)
-    # null: the default exemptions (biases, norm scales, embeddings); else globs over
-    # parameter paths, `axis:NAME` (logical axis) or `default`
-    no_decay: list[str] | None = None
-    grad_clip: float | None = Field(1.0, gt=0)   # global gradient norm; null: no clipping
-    # per-optimizer parameters (PARAMETERS); unset: optax's default
-    b1: float | None = None
-    b2: float | None = None
-    eps: float | None = None
-    eps_root: float | None = None
-    nesterov: bool | None = None
-    momentum: float | None = None
-    mu_dtype: str | None = None
-    decay_rate: float | None = None
-    decay_offset: int | None = None
-    min_dim_size_to_factor: int | None = None
-    multiply_by_parameter_scale: bool | None = None
-    clipping_threshold: float | None = None
-    factored: bool | None = None
-    beta: float | None = None
-    ns_steps: int | None = None
-    adam_b1: float | None = None
-    adam_b2: float | None = None
-    # keyword arguments of a `module:function` optimizer
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(
+        "adamw", description="The update rule: adamw, adam, sgd, lion, adafactor, muon "
+        "(optax's; muon is optax.contrib.muon), or `module:function` returning an "
+        "optax.GradientTransformation (called with learning_rate= the schedule and "
+        "optimizer.kwargs). A task's own optimizer(schedule), when it returns one, wins.")
+    lr: float = Field(
+        1e-3, gt=0, description="The peak learning rate (the schedule: section gives its shape).")
+    weight_decay: float = Field(
+        0.0, ge=0, description="Weight decay: decoupled for adamw, lion, adafactor, muon; added "
+        "to the gradient for sgd, adam. Applies where optimizer.no_decay does not exempt.")
+    no_decay: list[str] | None = Field(
+        None, description="The parameters weight decay skips. null: the default exemptions "
+        "(biases and norm scales, embeddings); else globs over parameter paths, `axis:NAME` "
+        "(a logical axis) or `default` (the default exemptions). `spmd optimizer CONFIG` "
+        "lists the result.")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="Clip the gradients' global norm to this. null: no clipping.")
+    b1: float | None = Field(None, description=_takes("b1"))
+    b2: float | None = Field(None, description=_takes("b2"))
+    eps: float | None = Field(None, description=_takes("eps"))
+    eps_root: float | None = Field(None, description=_takes("eps_root"))
+    nesterov: bool | None = Field(None, description=_takes("nesterov"))
+    momentum: float | None = Field(None, description=_takes("momentum"))
+    mu_dtype: str | None = Field(None, description=_takes("mu_dtype"))
+    decay_rate: float | None = Field(None, description=_takes("decay_rate"))
+    decay_offset: int | None = Field(None, description=_takes("decay_offset"))
+    min_dim_size_to_factor: int | None = Field(None, description=_takes("min_dim_size_to_factor"))
+    multiply_by_parameter_scale: bool | None = Field(
+        None, description=_takes("multiply_by_parameter_scale"))
+    clipping_threshold: float | None = Field(None, description=_takes("clipping_threshold"))
+    factored: bool | None = Field(None, description=_takes("factored"))
+    beta: float | None = Field(None, description=_takes("beta"))
+    ns_steps: int | None = Field(None, description=_takes("ns_steps"))
+    adam_b1: float | None = Field(None, description=_takes("adam_b1"))
+    adam_b2: float | None = Field(None, description=_takes("adam_b2"))
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of a `module:function` optimizer.")
 
     @model_validator(mode="after")
     def _known(self) -> OptimizerConfig:

@@ -36,14 +36,27 @@ class ScheduleConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Literal["constant", "cosine", "linear", "wsd", "rsqrt", "step"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    decay_steps: int | None = Field(None, ge=1)
-    decay_fraction: float | None = Field(None, gt=0, le=1)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    # `step`: the updates at which the learning rate is multiplied by `factor`
-    boundaries: list[int] = Field(default_factory=list)
-    factor: float = Field(0.1, gt=0)
+    name: Literal["constant", "cosine", "linear", "wsd", "rsqrt", "step"] = Field(
+        "constant", description="The shape after the warm-up: constant; cosine and linear "
+        "decay to min_lr_ratio x peak over the decay steps; wsd (warmup-stable-decay) holds "
+        "the peak, then decays linearly over the last decay steps; rsqrt decays as "
+        "1/sqrt(step); step multiplies by `factor` at each of `boundaries`.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Updates of linear warm-up from 0 to optimizer.lr.")
+    decay_steps: int | None = Field(
+        None, ge=1, description="Updates the decay lasts (cosine, linear, wsd). null: "
+        "decay_fraction of train.steps when set, else for wsd 0.1 of them, else every update "
+        "after the warm-up.")
+    decay_fraction: float | None = Field(
+        None, gt=0, le=1, description="The decay's share of train.steps, instead of "
+        "decay_steps (wsd default: 0.1).")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Where the decay ends, as a fraction of optimizer.lr.")
+    boundaries: list[int] = Field(
+        default_factory=list, description="`step`: the updates at which the learning rate "
+        "is multiplied by `factor` (increasing, >= 1).")
+    factor: float = Field(
+        0.1, gt=0, description="`step`: the factor applied at each boundary.")
 
     @model_validator(mode="after")
     def _consistent(self) -> ScheduleConfig:

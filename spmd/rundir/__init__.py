@@ -3,6 +3,7 @@
 Owns: the one-writer lease (`lease`), metrics.jsonl / events.jsonl / rank logs
 (`metrics`), the PNG curves (`plots`), the experiment trackers (`trackers`), the profiler
 trace summary (`trace_summary`) and the goodput ledger with its timeline (`goodput`,
-`timeline`). May import `spmd.launch`, `spmd.comm`, `spmd.config` and `spmd.errors`; it
-knows no model, task or checkpoint format.
+`timeline`), and the `run:` section (`run_config`). May import `spmd.launch`, `spmd.comm`
+and `spmd.errors`; it knows no model, task or checkpoint format, and `spmd.config` (which
+assembles the `run:` section) sits above it.
 """

@@ -12,15 +12,32 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from typing import ClassVar, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar, cast
 
 import jax
 import optax
 from flax import nnx
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
-from spmd.config.schema import Config, ModelConfig
 from spmd.data.batch import BatchField, DataSource
+
+if TYPE_CHECKING:  # the run's Config assembles the sections of every layer, this one's too
+    from spmd.config.schema import Config
+
+
+class ModelConfig(BaseModel):
+    """model: the task's own section, validated by its class attribute `Task.Config` (a
+    subclass of this one): strict, frozen.
+
+    `name` is optional for a task named by `task: module:Class`; a registered task's name
+    (e.g. `fno`) selects it when `task:` is absent.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(
+        None, description="A registered task's name (transformer, mlp, fno, ...): selects the "
+        "task when `task:` is absent.")
 
 ModelCfg = TypeVar("ModelCfg", bound=BaseModel)
 

@@ -32,17 +32,20 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.config.schema import Config
 from spmd.data.arrays import ArrayDataError, ArraySource, write_arrays
 from spmd.data.batch import BatchField
 from spmd.data.file_index import data_exists
 from spmd.data.normalization import compute_statistics, load_statistics
 from spmd.tasks.base import ModelCfg, Task
+
+if TYPE_CHECKING:  # the run's Config assembles the sections of every layer, this one's too
+    from spmd.config.schema import Config
 
 log = logging.getLogger("spmd.tasks.field_task")
 

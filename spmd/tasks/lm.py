@@ -17,33 +17,50 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, model_validator
 
-from spmd.config.schema import ModelConfig
 from spmd.data.batch import BatchField
 from spmd.data.synthetic import ArithmeticTokens
 from spmd.errors import ConfigError
 from spmd.models.losses import cross_entropy
 from spmd.models.scan import Remat
 from spmd.models.transformer import TransformerLM
-from spmd.tasks.base import Task
+from spmd.tasks.base import ModelConfig, Task
 
 EVAL_STREAM = 1
 
 
 class TransformerConfig(ModelConfig):
+    """model (transformer): a decoder-only Transformer language model on synthetic token
+    sequences (docs/performance.md, section 3: scan, remat, attention, chunked loss)."""
+
     name: Literal["transformer"] = "transformer"
-    num_layers: int = Field(2, ge=1)
-    d_model: int = Field(64, ge=1)
-    num_heads: int = Field(4, ge=1)
-    d_ff: int = Field(256, ge=1)
-    vocab_size: int = Field(256, ge=2)
-    seq_len: int = Field(32, ge=2)
-    positions: Literal["rotary", "learned"] = "rotary"
-    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
-    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored (master) parameters
-    scan_layers: bool = True
-    remat: Remat = "none"            # models/scan.py REMAT_POLICIES
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
-    loss_chunk: int = Field(0, ge=0)
+    num_layers: int = Field(2, ge=1, description="Transformer blocks.")
+    d_model: int = Field(64, ge=1, description="Width of the residual stream.")
+    num_heads: int = Field(4, ge=1, description="Attention heads; must divide d_model.")
+    d_ff: int = Field(256, ge=1, description="Hidden width of each block's MLP.")
+    vocab_size: int = Field(256, ge=2, description="Tokens in the vocabulary.")
+    seq_len: int = Field(32, ge=2, description="Tokens per example.")
+    positions: Literal["rotary", "learned"] = Field(
+        "rotary", description="Position encoding: rotary, or a learned embedding.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The compute dtype; bfloat16 with param_dtype float32 is the "
+        "usual mixed precision.")
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The dtype the parameters (master weights) are stored in.")
+    scan_layers: bool = Field(
+        True, description="Blocks stacked as one module (every parameter shaped (num_layers, "
+        "...), logical axis `layers`) run by jax.lax.scan; false: a Python loop over blocks/0, "
+        "blocks/1, ... (debugging). Both compute the same losses.")
+    remat: Remat = Field(
+        "none", description="jax.checkpoint around each block with this policy "
+        "(models/scan.py REMAT_POLICIES): none keeps everything; dots keeps the weight "
+        "matmuls' outputs (the usual choice on GPUs); full keeps only the block input.")
+    attention: Literal["auto", "xla", "cudnn"] = Field(
+        "auto", description="jax.nn.dot_product_attention's implementation: auto is cudnn on "
+        "an NVIDIA GPU with a bfloat16 model and a head dim that is a multiple of 8 and <= 128, "
+        "else xla; cudnn anywhere else is a config error.")
+    loss_chunk: int = Field(
+        0, ge=0, description="Tokens per chunk of the cross-entropy (at most batch x chunk x "
+        "vocab float32 logits exist at once); must divide seq_len. 0: the whole sequence.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerConfig:

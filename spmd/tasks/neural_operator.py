@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, model_validator
 
-from spmd.config.schema import ModelConfig
 from spmd.data.arrays import ArraySource
 from spmd.data.batch import BatchField
 from spmd.data.darcy import make_darcy_dataset
@@ -34,7 +33,7 @@ from spmd.data.field_files import (
     inspect_fields,
 )
 from spmd.models.fno import FIELD, FNO2d
-from spmd.tasks.base import Task
+from spmd.tasks.base import ModelConfig, Task
 from spmd.tasks.field_task import relative_l2
 
 log = logging.getLogger("spmd.tasks.neural_operator")
@@ -96,16 +95,25 @@ def validate_dataset(cfg) -> FieldsInfo:
 
 
 class FnoConfig(ModelConfig):
+    """model (fno): a 2-D Fourier neural operator on fields of grid x grid points (the
+    Darcy flow main job: configs/fno_darcy.yaml)."""
+
     name: Literal["fno"] = "fno"
-    in_channels: int = Field(1, ge=1)
-    out_channels: int = Field(1, ge=1)
-    width: int = Field(32, ge=1)
-    modes: int = Field(12, ge=1)
-    num_layers: int = Field(4, ge=1)
-    grid: int = Field(64, ge=4)
-    projection: int = Field(128, ge=1)   # hidden channels of the output projection
-    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
-    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored (master) parameters
+    in_channels: int = Field(1, ge=1, description="Channels of the input field.")
+    out_channels: int = Field(1, ge=1, description="Channels of the output field.")
+    width: int = Field(32, ge=1, description="Channels inside the Fourier layers.")
+    modes: int = Field(
+        12, ge=1, description="Fourier modes kept per dimension (2 x modes <= grid).")
+    num_layers: int = Field(4, ge=1, description="Fourier layers.")
+    grid: int = Field(
+        64, ge=4, description="Points per side of the fields; must match the data set.")
+    projection: int = Field(
+        128, ge=1, description="Hidden channels of the output projection.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The compute dtype; bfloat16 with param_dtype float32 is the "
+        "usual mixed precision.")
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The dtype the parameters (master weights) are stored in.")
 
     @model_validator(mode="after")
     def _modes_fit(self) -> FnoConfig:

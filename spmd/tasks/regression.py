@@ -9,21 +9,25 @@ import numpy as np
 from flax import nnx
 from pydantic import Field
 
-from spmd.config.schema import ModelConfig
 from spmd.data.batch import BatchField
 from spmd.data.synthetic import TeacherRegression
 from spmd.models.mlp import Mlp
-from spmd.tasks.base import Task
+from spmd.tasks.base import ModelConfig, Task
 
 
 class MlpConfig(ModelConfig):
+    """model (mlp): a residual MLP regressing a synthetic teacher's outputs."""
+
     name: Literal["mlp"] = "mlp"
-    d_in: int = Field(32, ge=1)
-    d_hidden: int = Field(128, ge=1)
-    d_out: int = Field(8, ge=1)
-    num_layers: int = Field(2, ge=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
-    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored (master) parameters
+    d_in: int = Field(32, ge=1, description="Input features.")
+    d_hidden: int = Field(128, ge=1, description="Hidden width.")
+    d_out: int = Field(8, ge=1, description="Output features.")
+    num_layers: int = Field(2, ge=1, description="Residual hidden layers.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The compute dtype; bfloat16 with param_dtype float32 is the "
+        "usual mixed precision.")
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The dtype the parameters (master weights) are stored in.")
 
 
 class RegressionTask(Task[MlpConfig]):

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.config.schema import WindowConfig
 from spmd.data.batch import BatchField
+from spmd.data.data_config import WindowConfig
 from spmd.data.file_index import INDEX_NAME, data_exists, has_magic
 from spmd.data.normalization import compute_statistics, load_statistics
 from spmd.data.stores import ArrayDataError, is_member_name, write_arrays

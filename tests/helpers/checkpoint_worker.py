@@ -151,10 +151,10 @@ def main(argv: list[str]) -> int:
     from spmd.checkpoint import create_checkpointer
     from spmd.checkpoint.layout import leaf_paths
     from spmd.engine.mesh import build_mesh
-    from spmd.engine.runtime import build_runtime
     from spmd.rundir.metrics import EventLog
+    from tests.helpers.training import runtime_for
 
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
     out_path = Path(out)
     events = EventLog(out_path.with_name(out_path.stem + f".events{env.rank}.jsonl"), env.rank)
     ckpt = create_checkpointer(cfg.checkpoint, run_dir=cfg.run.dir, env=env, events=events)

@@ -29,8 +29,8 @@ def main(argv: list[str]) -> int:
 
     from spmd.config.load import load_config
     from spmd.engine.mesh import build_mesh
-    from spmd.engine.runtime import build_runtime
     from spmd.optim import OPTIMIZERS
+    from tests.helpers.training import runtime_for
 
     report = {}
     for name in OPTIMIZERS:
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(CONFIG, [f"optimizer.name={name}", f"optimizer.lr={LR[name]}",
                                    "optimizer.weight_decay=0.01", "mesh.strategy=fsdp",
                                    "mesh.fsdp_min_bytes=0", "run.progress=false", *extra])
-        rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
+        rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
         state, source, losses = rt.init(), rt.task.train_source(), []
         for step in range(STEPS):
             state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))

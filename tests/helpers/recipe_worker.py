@@ -40,11 +40,11 @@ def main(argv: list[str]) -> int:
 
     from spmd.config.load import load_config
     from spmd.engine.mesh import build_mesh
-    from spmd.engine.runtime import build_runtime
+    from tests.helpers.training import runtime_for
 
     def train(overrides: list[str]):
         cfg = load_config(CONFIG, overrides)
-        rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
+        rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
         state, source, losses = rt.init(), rt.task.train_source(), []
         for step in range(STEPS):
             state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))

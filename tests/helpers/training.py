@@ -23,3 +23,14 @@ def mlp_config(run_dir, *, steps: int = 6, **sections: dict) -> dict:
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values}
     return config
+
+
+def runtime_for(cfg, mesh, task=None):
+    """The engine's runtime of a run config on `mesh`, split as the trainer splits it: the
+    task built from the config (or `task`), the engine handed its own sections only."""
+    from spmd.config import build_task
+    from spmd.engine.engine_config import EngineSections
+    from spmd.engine.runtime import build_runtime
+
+    return build_runtime(EngineSections.of(cfg), mesh, task if task is not None else
+                         build_task(cfg))

@@ -20,9 +20,8 @@ import pytest
 
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from tests.helpers.env import clean_env, require, run_spmd
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +49,7 @@ def workdir(tmp_path_factory) -> Path:
 def reference(workdir) -> list[float]:
     """1 process on 1 device: the losses every 2-rank run must match."""
     cfg = load_config(workdir / "lm.json", ["mesh.strategy=dp"])
-    return train_steps(build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:1])), STEPS)[0]
+    return train_steps(runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()[:1])), STEPS)[0]
 
 
 _RUNS: dict[str, Path] = {}

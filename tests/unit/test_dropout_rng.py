@@ -20,7 +20,6 @@ from spmd.api import train
 from spmd.checkpoint.local import MARKER
 from spmd.config.load import config_from_dict
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.engine.state import step_key, train_rng
 from spmd.engine.step import task_options, with_options
 from spmd.errors import SpmdError
@@ -28,7 +27,7 @@ from spmd.tasks.regression import RegressionTask
 from tests.helpers.dropout_task import DropoutTask, HeldRngsTask
 from tests.helpers.records import read_jsonl
 from tests.helpers.stand_ins import RecordedEvents, one_process_checkpointer
-from tests.helpers.training import mlp_config, train_steps
+from tests.helpers.training import mlp_config, runtime_for, train_steps
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
@@ -94,7 +93,7 @@ def runtime(task: str, rate: float):
         "run": {"dir": "unused", "plots": False, "progress": False},
         "model": {"dropout": rate},
         "train": {"steps": 4, "batch_size": 8, "eval_every": 1, "donate": False}})
-    return build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    return runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
 
 
 @pytest.mark.parametrize("task", ["DropoutTask", "HeldRngsTask"])
@@ -121,7 +120,7 @@ def test_dropout_is_active_in_training_and_evaluation_is_deterministic(task):
 def test_a_dropout_holding_rngs_is_reseeded_per_key_and_path():
     layout = runtime("HeldRngsTask", 0.1).model
     params = nnx.to_pure_dict(nnx.state(HeldRngsTask.build_model(
-        HeldRngsTask(runtime("HeldRngsTask", 0.1).cfg), nnx.Rngs(0)), nnx.Param))
+        HeldRngsTask(runtime("HeldRngsTask", 0.1).task.cfg), nnx.Rngs(0)), nnx.Param))
 
     def stream(key):
         model = layout.merge(params, key, train=True)
@@ -146,7 +145,7 @@ def test_a_model_with_batch_statistics_is_refused_naming_the_variable():
     cfg = config_from_dict({"task": "tests.helpers.dropout_task:DropoutTask",
                             "run": {"dir": "unused"}, "train": {"batch_size": 8}})
     with pytest.raises(SpmdError) as e:
-        build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()), NormTask(cfg))
+        runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()), NormTask(cfg))
     assert "norm/mean (BatchStat)" in str(e.value) and "RNG streams" in str(e.value)
 
 
@@ -163,7 +162,7 @@ def test_a_checkpoint_without_an_rng_key_restores_and_resumes_identically(tmp_pa
 
     run_dir = tmp_path / "old"
     cfg = config_from_dict(mlp_config(run_dir, steps=3, checkpoint=ck))
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     _, state = train_steps(rt, 2)
     checkpointer = one_process_checkpointer(cfg, RecordedEvents())
     checkpointer.maybe_save(2, state.replace(rng=None), force=True)   # the old layout

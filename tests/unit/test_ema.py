@@ -21,11 +21,10 @@ import spmd
 from spmd.checkpoint import CheckpointError
 from spmd.config.load import config_from_dict
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.errors import ConfigError
 from spmd.inference.evaluation import evaluate_split
 from tests.helpers.records import read_jsonl
-from tests.helpers.training import mlp_config
+from tests.helpers.training import mlp_config, runtime_for
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
@@ -40,7 +39,7 @@ def host(tree):
 def test_ema_follows_the_parameters_and_is_sharded_like_them(tmp_path):
     cfg = config_from_dict(mlp_config(tmp_path, mesh={"strategy": "fsdp"},
                                       train={"ema_decay": DECAY}))
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     state = rt.init()
     for e, p in zip(jax.tree.leaves(state.ema), jax.tree.leaves(state.params)):
         assert e.sharding == p.sharding and e.dtype == np.float32
@@ -114,7 +113,7 @@ def test_eval_ema_evaluates_the_ema_and_spmd_eval_reproduces_it(tmp_path):
 def test_eval_ema_without_an_ema_and_load_ema_of_a_run_without_one_are_errors(tmp_path):
     cfg = config_from_dict(mlp_config(tmp_path, train={"eval_ema": True}))
     with pytest.raises(ConfigError, match="train.eval_ema=true .* train.ema_decay"):
-        build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+        runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     run_dir = tmp_path / "run"
     assert spmd.train(mlp_config(run_dir, steps=2, checkpoint=CKPT)) == 0
     for where in (run_dir, run_dir / "local"):

@@ -11,10 +11,9 @@ import pytest
 from spmd.config.load import config_from_dict
 from spmd.data.batch import BatchField
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.loop.builtin_hooks import evaluate
 from spmd.tasks.regression import RegressionTask
-from tests.helpers.training import mlp_config, train_steps
+from tests.helpers.training import mlp_config, runtime_for, train_steps
 
 HORIZON = 3
 
@@ -60,7 +59,7 @@ def test_eval_batches_take_the_tasks_eval_layout_and_training_its_own(tmp_path):
                      data={"eval_batches": 2})
     cfg = config_from_dict(raw, "test")
     task = HorizonTask(cfg)
-    rt = build_runtime(cfg, build_mesh(cfg.mesh), task)
+    rt = runtime_for(cfg, build_mesh(cfg.mesh), task)
     assert rt.eval_feed is not rt.feed
     assert rt.feed.fields["targets"].example_shape == (cfg.model.d_out,)
     assert rt.eval_feed.fields["targets"].example_shape == (HORIZON, cfg.model.d_out)
@@ -80,6 +79,6 @@ def test_eval_batches_take_the_tasks_eval_layout_and_training_its_own(tmp_path):
 @pytest.mark.usefixtures("keep_signal_handlers")
 def test_a_task_without_an_eval_layout_shares_the_training_feed(tmp_path):
     cfg = config_from_dict(mlp_config(tmp_path / "run", train={"eval_every": 1}), "test")
-    rt = build_runtime(cfg, build_mesh(cfg.mesh), RegressionTask(cfg))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh), RegressionTask(cfg))
     assert rt.eval_feed is rt.feed
     assert rt.eval_step is not None and rt.sample_step is None

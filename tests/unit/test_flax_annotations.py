@@ -17,13 +17,13 @@ from spmd.config.load import build_task, load_config
 from spmd.config.schema import MeshConfig
 from spmd.engine.axis_rules import axis_rules
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.engine.state import model_layout
 from spmd.sharding import ParamSharding, ShardingError, ShardingReport, resolve_params, rules_for
 from spmd.sharding.annotate import annotated_axes
 from spmd.sharding.report import replication_warning
 from spmd.sharding.rules import flax_rules
 from tests.helpers.env import REPO
+from tests.helpers.training import runtime_for
 
 FLAX_LM = {"task": "tests.helpers.flax_native:FlaxLMTask",
            "train": {"steps": 4, "batch_size": 8},
@@ -219,7 +219,7 @@ def test_runtime_and_shardings_log_the_warning(tmp_path, caplog, capsys):
     overrides = ["mesh.strategy=fsdp", "mesh.rules.embed=null", "mesh.fsdp_min_bytes=null"]
     with caplog.at_level(logging.WARNING, logger="spmd.sharding"):
         cfg = load_config(TINY, overrides)
-        build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+        runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     [record] = [r for r in caplog.records if r.name == "spmd.sharding"]
     assert record.levelno == logging.WARNING
     assert "no parameter is split over it" in record.message

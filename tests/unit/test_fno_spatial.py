@@ -11,9 +11,8 @@ from jax.sharding import PartitionSpec as P
 import spmd.models.fno
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from tests.helpers.fno import make_tiny_dataset, tiny_config
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 STEPS = 3
 
@@ -26,7 +25,7 @@ def config(tmp_path_factory):
 
 def runtime(config, devices, *overrides):
     cfg = load_config(config, [f"train.steps={STEPS}", *overrides])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, devices))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, devices))
     rt.task.prepare(True)
     return rt
 

@@ -15,10 +15,9 @@ from jax.sharding import PartitionSpec as P
 from spmd.config.load import load_config
 from spmd.config.schema import MeshConfig
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.sharding import ShardingError, param, resolve_params, rules_for, state_shardings
 from spmd.sharding.fsdp import auto_fsdp_dim, with_fsdp_on
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 MESH = {"data": 1, "stage": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1}
 
@@ -127,7 +126,7 @@ def conv_config(tmp_path):
 
 def conv_losses(path, strategy, devices):
     cfg = load_config(path, [f"mesh.strategy={strategy}"])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, devices))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, devices))
     return train_steps(rt, STEPS)[0], rt
 
 

@@ -20,10 +20,10 @@ import pytest
 from spmd.aot.plan import make_plan
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.errors import ConfigError
 from tests.helpers.env import REPO
 from tests.helpers.fno import make_tiny_dataset, tiny_config
+from tests.helpers.training import runtime_for
 
 LM = REPO / "configs" / "transformer_tiny.yaml"
 MLP = REPO / "configs" / "mlp_tiny.yaml"
@@ -40,7 +40,7 @@ def collectives(hlo: str) -> Counter:
 
 def runtime(config, *overrides):
     cfg = load_config(config, list(overrides))
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     rt.task.prepare(True)
     return rt
 

@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from tests.helpers.env import REPO, clean_env
 from tests.helpers.imports import cycles, import_edges, package_modules
@@ -27,19 +28,18 @@ PROSE = re.compile(rf"\b(?:import|from)\s+({'|'.join(TOP_LEVEL)})\b")
 # Bottom to top. The longest matching prefix names a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     ("spmd", "spmd.errors"),                   # the root (lazy names only) and the exit table
-    ("spmd.launch",),                          # scheduler + MPI bootstrap, signals
+    ("spmd.launch",),                          # scheduler + MPI bootstrap, signals; launch:
     ("spmd.comm",),                            # agreement and broadcast among ranks
     ("spmd.sharding",),                        # logical axes -> mesh axes
-    ("spmd.optim",),                           # optimizer + schedule sections and builders
-    ("spmd.config", "spmd.config.schema"),     # the typed schema (a leaf)
+    ("spmd.optim",),                           # optimizer:, schedule: and their builders
     ("spmd.models",),                          # reference models
-    ("spmd.data",),                            # sources and the batch feed
+    ("spmd.data",),                            # sources and the batch feed; data:
     ("spmd.tasks",),                           # model + loss + data, the user's plug-in point
-    ("spmd.config.load",),                     # YAML + overrides, resolves the task
-    ("spmd.rundir",),                          # lease, metrics, plots
+    ("spmd.rundir",),                          # lease, metrics, plots; run:
+    ("spmd.engine",),                          # mesh, state, steps, runtime; mesh:, train:
+    ("spmd.checkpoint",),                      # both tiers; checkpoint:
+    ("spmd.config",),                          # assembles the sections: Config, YAML, tasks
     ("spmd.hpc", "spmd.jobscripts"),           # system profiles, batch scripts
-    ("spmd.engine",),                          # mesh, state, steps, runtime
-    ("spmd.checkpoint",),                      # both tiers
     ("spmd.loop",),                            # the training loop and its hooks
     ("spmd.inference",),                       # load, eval, predict, export a trained run
     ("spmd.aot",),                             # plan: compile ahead of time
@@ -142,6 +142,54 @@ def test_no_import_circle_between_modules():
         " <-> ".join(circle) for circle in circles)
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to: `spmd.config.load` -> `spmd.config`; the root's own
+    modules (`spmd.errors`, `spmd.api`) are each their own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_edges(edges: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The module graph collapsed onto packages (imports within a package dropped)."""
+    out: dict[str, dict[str, int]] = {}
+    for importer, targets in edges.items():
+        node = out.setdefault(package_of(importer), {})
+        for target, line in targets.items():
+            if package_of(target) != package_of(importer):
+                node.setdefault(package_of(target), line)
+    return out
+
+
+def test_no_import_circle_between_packages():
+    """No two packages import each other, directly or not (as `spmd.config` and `spmd.tasks`
+    once did: the schema below the tasks, loading above them)."""
+    circles = cycles(package_edges(import_edges(package_modules(REPO))))
+    assert not circles, "packages that import each other, directly or not:\n" + "\n".join(
+        " <-> ".join(circle) for circle in circles)
+
+
+def test_the_config_package_sits_above_the_sections_it_assembles():
+    """Every section of `Config` lives in a package below `spmd.config` (next to the
+    component that builds from it), and `spmd.config` defines none of its own."""
+    from spmd.config.schema import Config
+
+    def sections(cls) -> list[type]:
+        out = []
+        for field in cls.model_fields.values():
+            annotation = field.annotation
+            if isinstance(field.default, BaseModel):   # `model:` is typed as any model
+                annotation = type(field.default)
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                out += [annotation, *sections(annotation)]
+        return out
+
+    found = sections(Config)
+    assert len(found) >= 9, found
+    for section in found:
+        home = section.__module__
+        assert not home.startswith("spmd.config"), f"{section.__name__} is defined in {home}"
+        assert layer_of(home) < layer_of("spmd.config"), (section.__name__, home)
+
+
 def test_the_checks_catch_a_violating_import(tmp_path):
     """The two checks above fail on an upward import and on a circle (they are not vacuous)."""
     modules = package_modules(REPO)
@@ -152,6 +200,11 @@ def test_the_checks_catch_a_violating_import(tmp_path):
     edges["spmd.sharding.rules"] = {**edges["spmd.sharding.rules"], "spmd.sharding.report": 1}
     assert any("spmd.sharding.rules" in c and "spmd.sharding.report" in c
                for c in cycles(edges))
+    edges = import_edges(modules)   # a circle within one package is no package's circle
+    edges["spmd.sharding.rules"] = {**edges["spmd.sharding.rules"], "spmd.sharding.report": 1}
+    assert not cycles(package_edges(edges))
+    edges["spmd.tasks.base"] = {**edges["spmd.tasks.base"], "spmd.config.schema": 1}
+    assert any({"spmd.config", "spmd.tasks"} <= set(c) for c in cycles(package_edges(edges)))
 
 
 def test_module_names_are_unique_and_shadow_no_standard_module():

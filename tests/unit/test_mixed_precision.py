@@ -16,9 +16,8 @@ from flax import nnx
 
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from tests.helpers.env import REPO
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 LM = REPO / "configs" / "transformer_tiny.yaml"
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
@@ -28,7 +27,7 @@ SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=4", "model.d
 
 def runtime(*overrides):
     cfg = load_config(LM, [*SMALL, *overrides])
-    return build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    return runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
 
 
 def float_dtypes(tree) -> set:
@@ -71,7 +70,7 @@ def test_bf16_params_keep_a_float32_ema_and_float32_reductions():
     cfg = load_config(REPO / "configs" / "mlp_tiny.yaml",
                       ["model.dtype=bfloat16", "model.param_dtype=bfloat16",
                        "train.ema_decay=0.9", "model.num_layers=1"])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     losses, state = train_steps(rt, 3)
     assert all(np.isfinite(losses))
     assert float_dtypes(state.params) == {"bfloat16"}

@@ -17,12 +17,11 @@ from spmd.config.load import build_task, load_config
 from spmd.config.schema import Config
 from spmd.engine.axis_rules import axis_rules
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.engine.state import make_optimizer, model_layout
 from spmd.errors import ConfigError
 from spmd.optim import OPTIMIZERS, PARAMETERS, OptimizerConfig, decays
 from tests.helpers.env import REPO
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 MLP = REPO / "configs" / "mlp_tiny.yaml"
 TRANSFORMER = REPO / "configs" / "transformer_tiny.yaml"
@@ -49,7 +48,7 @@ def test_every_optimizer_trains_the_mlp_under_fsdp_on_8_devices(name):
     cfg = load_config(MLP, [f"optimizer.name={name}", f"optimizer.lr={LR[name]}",
                             "optimizer.weight_decay=0.01", "train.steps=8",
                             "mesh.strategy=fsdp", "mesh.fsdp_min_bytes=0", *extra])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     losses, state = train_steps(rt, 8)
     assert np.isfinite(losses).all() and losses[-1] < 0.9 * losses[0], (name, losses)
     # every optimizer-state array lives where its sharding says, and the moments of a

@@ -16,11 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.sharding.one_f_one_b import tick_phase
 from spmd.sharding.pipeline import bubble_fraction
 from tests.helpers.env import REPO, clean_env, run_spmd
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 4
@@ -30,7 +29,7 @@ EIGHT = clean_env(JAX_NUM_CPU_DEVICES="8")
 
 def make(strategy: str, devices, *overrides: str):
     cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", *LAYERS, *overrides])
-    return build_runtime(cfg, build_mesh(cfg.mesh, devices))
+    return runtime_for(cfg, build_mesh(cfg.mesh, devices))
 
 
 _REFERENCE: dict[tuple[str, ...], tuple[list[float], dict]] = {}
@@ -121,7 +120,7 @@ def test_bad_circular_configs_name_their_keys(overrides, needles):
 
     cfg = load_config(CONFIG, ["mesh.strategy=pp", *LAYERS, *overrides])
     with pytest.raises(ConfigError) as err:
-        build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+        runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     message = str(err.value)
     assert "\n" not in message
     for needle in needles:
@@ -194,7 +193,7 @@ def test_microbatches_without_pipeline_is_an_error(key):
     from spmd.errors import ConfigError
 
     with pytest.raises(ConfigError, match=rf"train\.{key}=2 needs pipeline stages"):
-        build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+        runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
 
 
 def test_bubble_formula():

@@ -11,8 +11,8 @@ from spmd.aot.plan import collectives_from_hlo, make_plan
 from spmd.aot.topologies import gpu_target_config
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from tests.helpers.env import REPO, clean_env, run_spmd
+from tests.helpers.training import runtime_for
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 
@@ -28,7 +28,7 @@ def device0_bytes(arrays) -> int:
 def test_plan_memory_matches_a_measured_run():
     """One real fsdp step on 8 devices: what device 0 then holds is the plan's resident bytes."""
     cfg = load_config(CONFIG, ["mesh.strategy=fsdp"])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()))
     plan = make_plan(cfg, rt.mesh, runtime=rt)
 
     before = jax.live_arrays()          # held, so nothing of other tests is counted as new

@@ -10,10 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.sharding import activation_sharding
 from tests.helpers.env import REPO
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 10
@@ -21,7 +20,7 @@ STEPS = 10
 
 def make(strategy: str, devices, *overrides: str):
     cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", f"train.steps={STEPS}", *overrides])
-    return build_runtime(cfg, build_mesh(cfg.mesh, devices))
+    return runtime_for(cfg, build_mesh(cfg.mesh, devices))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def test_preset_matches_one_device(strategy, reference_losses):
 
     params = state.params
     # Scanned layers (the default): one stacked array per parameter, ('layers', ...) first.
-    assert params["blocks"]["mlp"]["up"]["kernel"].shape[0] == rt.cfg.model.num_layers
+    assert params["blocks"]["mlp"]["up"]["kernel"].shape[0] == rt.task.cfg.model.num_layers
     up = params["blocks"]["mlp"]["up"]["kernel"].sharding.spec[1:]
     query = params["blocks"]["attn"]["query"].sharding.spec[1:]
     assert tuple(params["blocks"]["mlp"]["up"]["kernel"].sharding.spec)[:1] in ((), (None,))

@@ -20,14 +20,13 @@ from flax import nnx
 
 from spmd.config.load import build_task, load_config
 from spmd.engine.mesh import build_mesh
-from spmd.engine.runtime import build_runtime
 from spmd.errors import ConfigError
 from spmd.models.attention import causal_attention, einsum_attention
 from spmd.models.losses import cross_entropy
 from spmd.models.scan import REMAT_POLICIES
 from spmd.models.transformer import TransformerLM
 from tests.helpers.env import REPO, clean_env, run_spmd
-from tests.helpers.training import train_steps
+from tests.helpers.training import runtime_for, train_steps
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 3
@@ -37,7 +36,7 @@ TINY = dict(num_layers=3, d_model=32, num_heads=4, d_ff=64, vocab_size=64, seq_l
 def losses(strategy: str, *overrides: str, devices=None) -> list[float]:
     cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", f"train.steps={STEPS}",
                                "model.num_layers=3", "model.attention=xla", *overrides])
-    rt = build_runtime(cfg, build_mesh(cfg.mesh, devices or jax.devices()))
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, devices or jax.devices()))
     assert rt.mesh.size == len(devices or jax.devices())
     return train_steps(rt, STEPS)[0]
 
@@ -115,7 +114,7 @@ def test_xla_attention_matches_float64_and_the_hand_written_one():
 def test_cudnn_attention_on_cpu_is_a_config_error_naming_the_key():
     cfg = load_config(CONFIG, ["model.attention=cudnn", "model.dtype=bfloat16"])
     with pytest.raises(ConfigError, match=r"model\.attention=cudnn .*NVIDIA GPU.*'cpu'"):
-        build_runtime(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+        runtime_for(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
     auto = load_config(CONFIG, ["model.attention=auto"])
     assert build_task(auto).build_model(nnx.Rngs(0)).layer(0).attn.implementation == "xla"
 

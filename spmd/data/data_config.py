@@ -1,0 +1,79 @@
+"""The `data:` section (and its `data.window:`): where a task's examples come from, how the
+train split is ordered and how batches are read ahead.
+
+It lives here, next to the sources and the feed that build from it (docs/data.md), and
+imports nothing of spmd (pydantic only); `spmd.config` assembles it into the run's `Config`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class WindowConfig(BaseModel):
+    """data.window: examples are time windows of stored trajectories (a dataset
+    `[trajectory, time, ...]`, or `[time, ...]`: one trajectory per file); a window never
+    crosses from one trajectory into the next (spmd.data.windows, spmd.TrajectoryTask)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input_steps: int = Field(1, ge=1, description="Frames in (the input of one example).")
+    target_steps: int = Field(
+        1, ge=1, description="Frames after the input that are the target.")
+    stride: int = Field(1, ge=1, description="A window starts every `stride` time steps.")
+
+
+class DataConfig(BaseModel):
+    """data: the task's data set, the train order and the background reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: Literal["synthetic", "hdf5", "netcdf", "zarr", "npy"] = Field(
+        "synthetic", description="`synthetic` (a pure function of seed, step and row) or array "
+        "files: hdf5, netcdf (NetCDF4), zarr (v3), npy; the reader detects each file's format.")
+    path: Path | None = Field(
+        None, description="A store (file, Zarr store, directory of .npy), a directory of stores "
+        "or a glob of them, concatenated along the first axis in sorted path order and indexed "
+        "once beside the data (docs/data.md). Made by `spmd data make` if missing (one file).")
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="Batch field -> dataset path in data.path "
+        "(`{split}` stands for train / test); fields not named here take the task's default "
+        "path (spmd.data.ArraySource).")
+    num_train: int = Field(1000, ge=1, description="Examples in the train split.")
+    num_test: int = Field(100, ge=1, description="Examples in the test split.")
+    eval_batches: int = Field(
+        2, ge=1, description="Batches of the test split each evaluation reads.")
+    seed: int = Field(
+        0, ge=0, description="Generator seed of a data set made by `spmd data make`.")
+    solver: dict[str, Any] = Field(
+        default_factory=dict, description="The task's own settings for making its data set "
+        "(the FNO's PDE solver).")
+    prefetch: int = Field(
+        2, ge=0, description="Background reads: the batches of the next `prefetch` steps are "
+        "read while a step runs (0: read when the step needs it). Batches are identical.")
+    read_threads: int = Field(
+        1, ge=1, description="Threads for the background reads. One is fastest for HDF5 (h5py "
+        "serializes calls) and Zarr (a call's chunks are read concurrently); more help .npy "
+        "memory maps on a slow file system.")
+    shuffle_block: Annotated[int, Field(ge=1)] | Literal["auto", "full"] | None = Field(
+        "auto", description="The train split's order (docs/data.md): the split is cut into "
+        "blocks of this many consecutive records, visited in a shuffled order `shuffle_mix` "
+        "blocks at a time, their records shuffled together, and each block read whole by the "
+        "readahead (long reads on a cold cache or a parallel file system). auto: blocks of "
+        "about 4 MiB of records (records of 4 MiB or more: full); full (or null): no blocks, a "
+        "full shuffle of the split every epoch (grain's). Changing it changes the order, as "
+        "the seed does; a resumed run keeps its own order unless it is set.")
+    shuffle_mix: int = Field(
+        16, ge=1, description="Blocks read at a time whose records are shuffled together (a "
+        "batch draws from about this many places of the split).")
+    window: WindowConfig | None = Field(
+        None, description="Trajectory windows instead of stored (input, target) pairs; null: "
+        "stored examples.")
+    normalize: bool = Field(
+        False, description="Train on fields normalized per channel ((x - mean) / std) with the "
+        "statistics `spmd data stats CONFIG` stored beside the data; metrics and predictions "
+        "stay in physical units. Tasks that support it: FieldTask and its subclasses "
+        "(spmd.data.normalization).")

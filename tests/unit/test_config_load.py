@@ -1,0 +1,92 @@
+"""Loading a config: an error names the key and where it was set, the YAML file or the
+command line (with the override as given)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd.config import load_config
+from spmd.errors import ConfigError
+from tests.helpers.env import REPO
+
+FNO = REPO / "configs" / "fno_darcy.yaml"
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.steps=abc", "Input should be a valid integer"),
+    ("model.modes=many", "Input should be a valid integer"),            # the task's section
+    ("train.stepz=3", "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    ("run.profile.steps=[5, 2]", "1 <= start <= stop"),                # a section's validator
+    ("train={steps: abc}", "Input should be a valid integer"),         # a whole section
+])
+def test_an_override_is_blamed_on_the_command_line_with_its_value(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(FNO, [override])
+    text = str(e.value)
+    assert text.startswith(f"command line: {override}: "), text
+    assert message in text
+    assert str(FNO) not in text
+
+
+def test_an_error_in_the_file_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: abc\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["train.batch_size=4"])   # a good override is not blamed
+    assert str(e.value).startswith(f"{path}: train.steps: Input should be a valid integer")
+    assert "command line" not in str(e.value)
+
+
+def test_errors_from_both_places_are_each_blamed_on_their_own(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: abc\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["train.batch_size=0"])
+    text = str(e.value)
+    assert f"{path}: train.steps: Input should be a valid integer" in text
+    assert "command line: train.batch_size=0: Input should be greater than or equal to 1" in text
+
+
+def test_an_unknown_key_in_the_file_names_the_file(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("train:\n  stpes: 3\n")
+    with pytest.raises(ConfigError, match=r"typo\.yaml: unknown config key 'train\.stpes'"):
+        load_config(path, ["train.steps=4"])
+
+
+def test_sections_are_importable_from_spmd_config_and_spmd():
+    """User code keeps `from spmd.config import XConfig` (and spmd.Config, spmd.ModelConfig),
+    each section now defined next to its component."""
+    import spmd
+    import spmd.config as config
+
+    assert config.CheckpointConfig.__module__ == "spmd.checkpoint.policy"
+    assert config.TrainConfig.__module__ == "spmd.engine.engine_config"
+    assert config.LaunchConfig.__module__ == "spmd.launch.launch_config"
+    assert config.DataConfig.__module__ == "spmd.data.data_config"
+    assert config.RunConfig.__module__ == "spmd.rundir.run_config"
+    assert spmd.ModelConfig is config.ModelConfig
+    assert spmd.Config().train == config.TrainConfig()
+
+
+def test_spmd_train_blames_a_bad_override_on_the_command_line(tmp_path):
+    """The issue's case, as a user runs it: one line, no traceback, the override echoed."""
+    from tests.helpers.env import clean_env, run_spmd
+
+    r = run_spmd("train", str(FNO), "train.steps=abc", f"run.dir={tmp_path / 'run'}",
+                 env=clean_env())
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "command line: train.steps=abc: Input should be a valid integer" in r.stderr
+    assert f"{FNO}: train.steps" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_overrides_of_a_dict_config_are_blamed_on_the_overrides():
+    from spmd.api import as_config
+
+    with pytest.raises(ConfigError) as e:
+        as_config({"model": {"name": "mlp"}}, ["train.batch_size=big"])
+    assert str(e.value).startswith("command line: train.batch_size=big: "), str(e.value)
+    with pytest.raises(ConfigError, match=r"^<dict>: train\.steps: "):
+        as_config({"model": {"name": "mlp"}, "train": {"steps": "many"}}, ["train.seed=1"])
