@@ -180,3 +180,54 @@ def test_spmd_version_prints_the_versions_and_exits_0():
     line = r.stdout.strip()
     assert line.startswith(f"spmd {importlib.metadata.version('spmd-hpc')} (jax ")
     assert f"flax {importlib.metadata.version('flax')}" in line
+
+
+@pytest.mark.slow
+def test_spmd_run_on_a_terminal_draws_the_bar_and_hides_the_records(tmp_path):
+    """Two ranks under mpiexec, spmd run's stderr a pseudo-terminal: rank 0's stderr is a
+    pipe, yet SPMD_CONSOLE makes it draw the rich bar; the phases are shown, the key=value
+    records and Gloo's lines are not (they are in the rank log)."""
+    import os
+    import pty
+    import threading
+
+    from spmd.cli.run_cmd import find_mpiexec
+    from spmd.errors import SpmdError
+
+    try:
+        find_mpiexec()
+    except SpmdError as e:
+        pytest.skip(f"no mpiexec: {e}")
+    master, slave = pty.openpty()
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:   # EIO: every writer closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spmd.cli", "run", "-n", "2",
+         str(REPO / "configs" / "mlp_tiny.yaml"), f"run.dir={run_dir}", "run.plots=false",
+         "checkpoint.persistent_every=0", "checkpoint.final=false"],
+        stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=clean_env(COLUMNS="100"),
+        cwd=REPO, timeout=300)
+    os.close(slave)
+    reader.join(timeout=30)
+    os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "\x1b[" in text and "20/20" in text and "samples/s" in text   # the rich bar
+    for phase in ("bootstrap", "data", "init", "compile", "training", "finished at step 20"):
+        assert phase in text, (phase, text[-3000:])
+    assert "[Gloo]" not in text and "started launcher=" not in text
+    log = (run_dir / "logs" / "rank00000.log").read_text()
+    assert "started launcher=hydra" in log and "compiled seconds=" in log
