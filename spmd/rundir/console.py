@@ -200,7 +200,8 @@ class Narrator:
         elif event in ("finished", "stopped", "preempted"):
             seconds = (time.time() - self.process_start
                        if self.process_start is not None else None)
-            reason = f.get("reason")
+            # a stop's reason is logged where it is decided; a preemption's is said here
+            reason = f.get("reason") if event == "preempted" else None
             detail = "since the process started" + (f": {reason}" if reason else "")
             out = f"{event} at step {f.get('step')}", seconds, detail
         elif event == "nonfinite_loss":
