@@ -155,7 +155,7 @@ def _number(value: Any) -> str:
     return str(value)
 
 
-def _started(f: dict) -> tuple[str, float | None, str] | None:
+def _started(f: dict) -> tuple[str, float | None, str]:
     start = f.get("process_start")
     seconds = time.time() - start if isinstance(start, int | float) else None
     size, nodes = f.get("size", 1), f.get("nodes", 1)
