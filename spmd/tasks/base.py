@@ -63,6 +63,9 @@ class Task(abc.ABC, Generic[ModelCfg]):
     Config: ClassVar[type[BaseModel]] = ModelConfig
 
     def __init__(self, cfg: Config):
+        """`cfg`: the run's whole config, user API for a task to read (`self.cfg.model`,
+        `self.cfg.data`, `self.cfg.train.seed`); frozen, never to be replaced. spmd's own
+        components take only their sections of it."""
         self.cfg = cfg
 
     @property
