@@ -1,6 +1,18 @@
-"""Shared test set-up: the test environment (tests.helpers.env, before jax) and fixtures.
+"""Shared test set-up: the test environment (tests.helpers.env, before jax), fixtures, and
+the two tiers of the suite.
 
-Helpers live in the importable package `tests.helpers`; this file holds only fixtures.
+Helpers live in the importable package `tests.helpers`; this file holds only fixtures and the
+`slow` marking. The fast tier, `pytest -m "not slow"`, is the edit loop (in-process, a few
+minutes on 2 cores); the full suite, which .ci/run runs, adds every test marked `slow`:
+- every test under tests/multiprocess, tests/slurm and tests/openmpi (real ranks, real
+  schedulers), marked here by directory;
+- every in-process training test: those that use the `keep_signal_handlers` fixture (a run
+  in the test process installs its preemption handlers), marked here by that fixture;
+- any other test that takes more than a few seconds, marked in its own module.
+Under pytest-xdist (`-n N`) each test module runs whole on one worker (its module fixtures,
+such as a shared training run, are made once), and the tests that install or start
+machine-wide services (the local Slurm, Debian's Open MPI: apt and slurmctld) share one
+worker. CONTRIBUTING.md says how to run each tier.
 """
 
 from __future__ import annotations
@@ -11,6 +23,31 @@ from pathlib import Path
 import pytest  # noqa: E402
 
 import tests.helpers.env  # noqa: F401  (before anything imports jax: 8 CPU devices, one cache)
+
+SLOW_DIRS = ("multiprocess", "slurm", "openmpi")
+SYSTEM_DIRS = ("slurm", "openmpi")   # apt-get installs and the one local Slurm: one worker
+
+
+def _test_dirs(item: pytest.Item) -> tuple[str, ...]:
+    parts = Path(str(item.path)).parts
+    return parts[parts.index("tests") + 1:-1] if "tests" in parts else ()
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the slow tier (multi-process directories and in-process training) and group the
+    tests for pytest-xdist's `--dist loadgroup` (module doc)."""
+    for item in items:
+        dirs = _test_dirs(item)
+        trains = "keep_signal_handlers" in getattr(item, "fixturenames", ())
+        if (any(d in dirs for d in SLOW_DIRS) or trains) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::")[0]
+            system = any(d in dirs for d in SYSTEM_DIRS)
+            item.add_marker(pytest.mark.xdist_group("system" if system else module))
 
 
 @pytest.fixture
