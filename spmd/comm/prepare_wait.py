@@ -9,10 +9,10 @@ out"), and it says nothing while it waits. So no rank enters a collective before
 has finished its part; the waiting is done here, over the jax.distributed key-value store.
 
 How (`prepare_on_rank0(env, prepare, timeout_s)`):
-- Rank 0 calls `prepare(True)`. Meanwhile every INFO-or-louder line it logs from this thread
-  is published (at most every `PUBLISH_EVERY_S`) under `spmd/prepare/progress`, so the others
-  can tell what it is doing ("making data/darcy_g64.h5 ...", "596/1192 samples"). Then it
-  posts `spmd/prepare/done/0`.
+- Rank 0 calls `prepare(True)`. Meanwhile the first and the latest INFO-or-louder line it
+  logs from this thread are published (at most every `PUBLISH_EVERY_S`) under
+  `spmd/prepare/progress`, so the others can tell what it is doing ("making
+  data/darcy_g64.h5 ...", "596/1192 samples"). Then it posts `spmd/prepare/done/0`.
 - Every other rank waits for that key, logging every `report_every_s` what it waits for,
   how long so far, the limit (`launch.prepare_timeout_s`) and rank 0's latest line; then it
   calls `prepare(False)` (its own share: validating the file rank 0 made, say) and posts
@@ -149,13 +149,16 @@ class _Wait:
         time.sleep(POLL_S)
 
     def _progress(self) -> str:
-        """"; rank 0 last said (3 s ago): ..." from the published line, or ""."""
+        """"; rank 0 last said (3 s ago): 596/1192 samples (it began: making data/...)" from
+        the published lines, or ""."""
         try:
             record = json.loads(self.client.key_value_try_get(PROGRESS_KEY))
         except Exception:  # nothing published yet, or unreadable: say nothing
             return ""
         ago = max(0.0, time.time() - float(record.get("time", time.time())))
-        return f"; rank 0 last said ({ago:.0f} s ago): {record.get('line', '')}"
+        line, first = record.get("line", ""), record.get("first", "")
+        began = f" (it began: {first})" if first and first != line else ""
+        return f"; rank 0 last said ({ago:.0f} s ago): {line}{began}"
 
     def _finished(self, what: str) -> None:
         if self.elapsed() >= FIRST_REPORT_S:
@@ -166,33 +169,53 @@ class _Wait:
 
 
 class _Publisher(logging.Handler):
-    """While rank 0 prepares: its latest INFO line (this thread's) under PROGRESS_KEY."""
+    """While rank 0 prepares: its first and latest INFO lines (this thread's) under
+    PROGRESS_KEY: what it is making, and how far it is. Logging only keeps the line; a
+    daemon thread posts it when it changed, every PUBLISH_EVERY_S, so a task that logs a
+    line per file is not slowed by the store."""
 
     def __init__(self, client: Any):
         super().__init__(logging.INFO)
         self.client = client
         self._thread = threading.get_ident()
-        self._last = 0.0
+        self._first, self._line, self._posted = "", "", ""
+        self._time = 0.0
+        self._stop = threading.Event()
+        self._poster = threading.Thread(target=self._post_changes, daemon=True,
+                                        name="spmd-prepare-progress")
 
     def __enter__(self) -> _Publisher:
         logging.getLogger().addHandler(self)
+        self._poster.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         logging.getLogger().removeHandler(self)
+        self._stop.set()
+        self._poster.join(2.0)
 
     def emit(self, record: logging.LogRecord) -> None:
-        now = time.monotonic()
-        if record.thread != self._thread or now - self._last < PUBLISH_EVERY_S:
+        if record.thread != self._thread:
             return
-        self._last = now
         try:
             line = " ".join(record.getMessage().split())[:LINE_CHARS]
-            self.client.key_value_set(PROGRESS_KEY, json.dumps({"line": line,
-                                                                "time": time.time()}),
-                                      allow_overwrite=True)
-        except Exception:  # progress is a courtesy: never fail the preparation over it
-            pass
+        except Exception:  # a record whose arguments do not format: not worth a word
+            return
+        self._first = self._first or line
+        self._line, self._time = line, time.time()
+
+    def _post_changes(self) -> None:
+        while not self._stop.wait(PUBLISH_EVERY_S):
+            line = self._line
+            if line == self._posted:
+                continue
+            try:
+                self.client.key_value_set(PROGRESS_KEY, json.dumps(
+                    {"line": line, "first": self._first, "time": self._time}),
+                    allow_overwrite=True)
+                self._posted = line
+            except Exception:  # progress is a courtesy: never fail the preparation over it
+                pass
 
 
 def _first_line(e: Exception) -> str:

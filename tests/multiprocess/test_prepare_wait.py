@@ -37,6 +37,7 @@ def test_a_minute_of_preparation_on_rank_0_waits_and_trains(tmp_path):
                        r"ago\): making the slow data: (\d+)/60", waiting)
     assert len(lines) >= 2, waiting[-3000:]
     assert int(lines[-1][0]) >= 30 and int(lines[-1][1]) > int(lines[0][1]), lines
+    assert "(it began: making the slow data: 0/60)" in waiting  # what rank 0 is making
     waited = re.search(r"rank 0 finished preparing the data; waited ([\d.]+) s", waiting)
     assert waited is not None and float(waited.group(1)) >= 55, waiting[-3000:]
     # its own share of Task.prepare ran after rank 0's
