@@ -137,7 +137,7 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 def main(argv: list[str]) -> int:
     config, out, *overrides = argv
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
 
     cfg = load_config(config, overrides)
     from spmd.launch import bootstrap
@@ -150,11 +150,13 @@ def main(argv: list[str]) -> int:
 
     from spmd.checkpoint import create_checkpointer
     from spmd.checkpoint.layout import leaf_paths
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
     from spmd.rundir.metrics import EventLog
-    from tests.helpers.training import runtime_for
 
-    rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
+    mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
+    rt = build_runtime(EngineSections.of(cfg), mesh, build_task(cfg))
     out_path = Path(out)
     events = EventLog(out_path.with_name(out_path.stem + f".events{env.rank}.jsonl"), env.rank)
     ckpt = create_checkpointer(cfg.checkpoint, run_dir=cfg.run.dir, env=env, events=events)

@@ -27,10 +27,11 @@ def main(argv: list[str]) -> int:
     env = bootstrap()
     import jax
 
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
+    from spmd.engine.runtime import build_runtime
     from spmd.optim import OPTIMIZERS
-    from tests.helpers.training import runtime_for
 
     report = {}
     for name in OPTIMIZERS:
@@ -39,7 +40,8 @@ def main(argv: list[str]) -> int:
         cfg = load_config(CONFIG, [f"optimizer.name={name}", f"optimizer.lr={LR[name]}",
                                    "optimizer.weight_decay=0.01", "mesh.strategy=fsdp",
                                    "mesh.fsdp_min_bytes=0", "run.progress=false", *extra])
-        rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
+        mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
+        rt = build_runtime(EngineSections.of(cfg), mesh, build_task(cfg))
         state, source, losses = rt.init(), rt.task.train_source(), []
         for step in range(STEPS):
             state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))

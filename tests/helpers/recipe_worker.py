@@ -38,13 +38,15 @@ def main(argv: list[str]) -> int:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from spmd.config.load import load_config
+    from spmd.config.load import build_task, load_config
+    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
-    from tests.helpers.training import runtime_for
+    from spmd.engine.runtime import build_runtime
 
     def train(overrides: list[str]):
         cfg = load_config(CONFIG, overrides)
-        rt = runtime_for(cfg, build_mesh(cfg.mesh, jax.devices(), env.node_of_rank))
+        mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
+        rt = build_runtime(EngineSections.of(cfg), mesh, build_task(cfg))
         state, source, losses = rt.init(), rt.task.train_source(), []
         for step in range(STEPS):
             state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))
