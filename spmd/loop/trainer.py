@@ -191,10 +191,10 @@ class Trainer:
         """The task's one-time preparation (rank 0), then every sharding and jitted step."""
         checked = self._checked or self.check(env)
         task = checked.task
-        began = time.perf_counter()
         # rank 0 first, the others waiting over the key-value store (no collective yet: the
         # first one, below, would give up after Gloo's fixed 30 s), bounded by
         # launch.prepare_timeout_s and saying what they wait for
+        began = time.perf_counter()
         prepare_on_rank0(env, task.prepare, self.cfg.launch.prepare_timeout_s)
         if env.size > 1:
             multihost_utils.sync_global_devices("spmd:task-prepared")
