@@ -2,8 +2,8 @@
 
 The CLI prints a `SpmdError` as one message, no traceback, and exits with its `exit_code`.
 `ExitCode` is the only place an exit status is defined: the trainer turns a stop into one,
-job scripts requeue on `PREEMPTED`, and the README lists them. A leaf: imports nothing of spmd,
-so every layer (launch and sharding included) may import it.
+job scripts requeue on `PREEMPTED`, and docs/run_directory.md lists them. A leaf: imports
+nothing of spmd, so every layer (launch and sharding included) may import it.
 """
 
 from enum import IntEnum

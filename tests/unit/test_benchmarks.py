@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers.env import REPO, clean_env
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 
 def bench(script: str, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],

@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers.env import REPO, clean_env
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 
 def test_checkpoint_bench_short():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_bench.py"),

@@ -40,7 +40,9 @@ class Capture:
         pass
 
 
-code = spmd.train(f"{run_dir}/config.yaml", overrides=[f"run.dir={run_dir}"],
+# one step past the fixture's last (train.steps 4): a run that already finished stops
+# without compiling, before any hook starts
+code = spmd.train(f"{run_dir}/config.yaml", overrides=[f"run.dir={run_dir}", "train.steps=5"],
                   hooks=[(Capture(), 1)])
 sys.exit(code)
 """

@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers.env import REPO, clean_env
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 SCRIPT = REPO / "benchmarks" / "data_throughput.py"
 
 

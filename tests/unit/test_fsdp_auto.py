@@ -139,6 +139,7 @@ def shardings_json(path, capsys, strategy):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_conv_net_trains_under_fsdp_like_one_device(conv_config, capsys):
     one, _ = conv_losses(conv_config, "fsdp", jax.devices()[:1])
     eight, rt = conv_losses(conv_config, "fsdp", jax.devices())

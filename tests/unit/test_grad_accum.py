@@ -25,6 +25,8 @@ from tests.helpers.env import REPO
 from tests.helpers.fno import make_tiny_dataset, tiny_config
 from tests.helpers.training import runtime_for
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 LM = REPO / "configs" / "transformer_tiny.yaml"
 MLP = REPO / "configs" / "mlp_tiny.yaml"
 SMALL_LM = ["model.num_layers=1", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",

@@ -19,6 +19,8 @@ from spmd.engine.mesh import build_mesh
 from tests.helpers.env import REPO
 from tests.helpers.training import runtime_for, train_steps
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 LM = REPO / "configs" / "transformer_tiny.yaml"
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
          "model.seq_len=16", "model.vocab_size=64", "train.batch_size=16",

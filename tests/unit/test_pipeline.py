@@ -21,6 +21,8 @@ from spmd.sharding.pipeline import bubble_fraction
 from tests.helpers.env import REPO, clean_env, run_spmd
 from tests.helpers.training import runtime_for, train_steps
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 4
 LAYERS = ("model.num_layers=4", "model.attention=xla", f"train.steps={STEPS}")

@@ -14,6 +14,8 @@ from spmd.engine.mesh import build_mesh
 from tests.helpers.env import REPO, clean_env, run_spmd
 from tests.helpers.training import runtime_for
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 
 def plan_mesh(cfg):

@@ -14,6 +14,8 @@ from spmd.sharding import activation_sharding
 from tests.helpers.env import REPO
 from tests.helpers.training import runtime_for, train_steps
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 10
 

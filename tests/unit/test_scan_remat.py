@@ -28,6 +28,8 @@ from spmd.models.transformer import TransformerLM
 from tests.helpers.env import REPO, clean_env, run_spmd
 from tests.helpers.training import runtime_for, train_steps
 
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
+
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 3
 TINY = dict(num_layers=3, d_model=32, num_heads=4, d_ff=64, vocab_size=64, seq_len=16)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from tests.helpers.env import REPO, clean_env, run_spmd
 from tests.helpers.records import read_jsonl
+
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
 
 
 def test_train_writes_the_run_directory(run_dir):

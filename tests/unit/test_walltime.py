@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from tests.helpers.env import REPO, clean_env, run_spmd
+
+pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
 
 
 def test_run_saves_and_stops_before_the_job_end_time(run_dir):
