@@ -29,11 +29,14 @@ class Restored:
 
 
 class Checkpointer(Protocol):
-    def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
+    def restore(self, abstract_state: Any, *, optional: Sequence[str] = (),
+                saves: Any = None) -> Restored | None:
         """Newest committed step across tiers, onto `abstract_state`'s shardings; None if none.
 
         `optional`: top-level fields of the state added after checkpoints were written without
         them; such a checkpoint restores with those fields None, named in `Restored.missing`.
+        `saves`: the (abstract) state this run saves, when `abstract_state` is another form
+        of it (spmd.engine.nonfinite); None: the same.
         """
 
     def newest_step(self) -> int | None:
@@ -63,7 +66,8 @@ class NullCheckpointer:
     """Used when checkpoint.every and checkpoint.persistent_every are both 0 and
     checkpoint.final is false."""
 
-    def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
+    def restore(self, abstract_state: Any, *, optional: Sequence[str] = (),
+                saves: Any = None) -> Restored | None:
         return None
 
     def newest_step(self) -> int | None:

@@ -218,9 +218,12 @@ class HierarchicalCheckpointer:
                            prepare_s=round(self.snapshotter.prepare_s, 4))
         return self._layout
 
-    def restore(self, abstract_state: Any, *, optional: Sequence[str] = ()) -> Restored | None:
-        layout = self._layout_of(abstract_state)
+    def restore(self, abstract_state: Any, *, optional: Sequence[str] = (),
+                saves: Any = None) -> Restored | None:
+        layout = self._layout_of(abstract_state if saves is None else saves)
         buffers = self.snapshotter.buffers.arrays if self.snapshotter.buffers else {}
+        if saves is not None:   # restored in another form than saved: its own layout
+            layout, buffers = SaveLayout.build(abstract_state, self.size, self.dedupe), {}
         variants: list[tuple[tuple[str, ...], SaveLayout]] = []
         if optional and self.local is not None:  # local copies saved without some of them
             seen = {layout.signature}

@@ -276,9 +276,11 @@ class NonfiniteHook:
             when = (f"step {info.step}" if since == info.step - 1
                     else f"a step in {since + 1}..{info.step}")
             why = f"non-finite loss or gradient norm at {when} (train.nonfinite=stop)"
+        remedy = (f"raise train.max_skips above {self.max_skips}" if self.mode == "skip"
+                  else "set train.nonfinite=skip")
         reason = (f"{why}: at step {info.step} loss {values['loss']}, grad_norm "
                   f"{values['grad_norm']}; nothing of it was saved, the newest checkpoint is "
-                  f"finite: lower optimizer.lr (or set train.nonfinite=skip) and run again")
+                  f"finite: lower optimizer.lr (or {remedy}) and run again")
         log.error("stopping: %s", reason)
         self.events.emit("nonfinite_stop", step=info.step, mode=self.mode,
                          loss=str(values["loss"]), grad_norm=str(values["grad_norm"]))

@@ -39,6 +39,7 @@ from spmd.checkpoint import Checkpointer, CheckpointError, Restored
 from spmd.config.schema import Config, migrate_deprecated
 from spmd.data.order import FULL_SHUFFLE
 from spmd.engine.engine_config import EngineSections
+from spmd.engine.nonfinite import nonfinite_restore_target, nonfinite_switched
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import ADDED_FIELDS, fill_ema, train_rng
 from spmd.errors import ConfigError
@@ -166,8 +167,20 @@ def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | No
                 f"set checkpoint.params_only=true to restore the parameters alone with a "
                 f"fresh {new_name} state, or train in another run.dir")
         return _params_only(rt, checkpointer, f"optimizer.name {old_name} -> {new_name}")
+    # the checkpoint holds the optimizer state in the previous job's train.nonfinite form
+    saved = ((_previous_config(run_dir) or {}).get("train") or {}).get("nonfinite", "stop")
+    abstract = rt.state.abstract
+    target = nonfinite_restore_target(abstract, saved if previous else None)
     try:
-        restored = checkpointer.restore(rt.state.abstract, optional=ADDED_FIELDS)
+        restored = checkpointer.restore(target, optional=ADDED_FIELDS,
+                                        saves=None if target is abstract else abstract)
+        if restored is not None and target is not abstract:
+            restored = dataclasses.replace(restored,
+                                           state=nonfinite_switched(restored.state, abstract))
+            if is_main:
+                log.info("train.nonfinite %s -> %s: the optimizer state of step %d is "
+                         "restored into this job's form", saved, cfg.train.nonfinite,
+                         restored.step)
     except CheckpointError as e:
         if not params_only:
             raise
