@@ -1,5 +1,12 @@
 """Read-only views of both tiers for `spmd ckpt ls` and `spmd ckpt verify`.
 
+One word per state, the same in `spmd ckpt ls`, `spmd ckpt verify` and
+docs/checkpointing.md: a local rank copy is `committed` (its marker reads), `written` (no
+marker yet), `damaged` (a marker that does not read) or `partial` (tmp dir); a persistent step
+is `committed` (its manifest reads), `unverified` (Orbax finalized it, no manifest),
+`damaged` (a manifest that does not read: truncated, not JSON, another format) or `partial`
+(Orbax's tmp dir). `verify` reports every `damaged` one as a problem, naming the step.
+
 Listing and checksums need no JAX. `verify_local(..., nonfinite=[])` also counts NaN/Inf in
 the parameters of the blobs it reads anyway (numpy); `nonfinite_persistent_steps` reads a
 persistent step's parameters through Orbax only when its manifest does not already vouch for
@@ -24,9 +31,10 @@ _ORBAX_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 @dataclass
 class RankCopy:
     rank: int
-    state: str                  # committed | written (no marker) | partial (tmp dir)
+    state: str                  # committed | written (no marker) | damaged | partial (tmp)
     bytes: int
     partners: list[int] = field(default_factory=list)   # ranks whose copies it holds
+    problem: str = ""           # damaged: what is wrong with the marker
 
 
 @dataclass
@@ -40,9 +48,10 @@ class LocalStep:
 @dataclass
 class PersistentStep:
     step: int
-    state: str                  # committed | unverified (no manifest) | partial (Orbax tmp)
+    state: str        # committed | unverified (no manifest) | damaged | partial (Orbax tmp)
     bytes: int
     files: int
+    problem: str = ""           # damaged: what is wrong with the manifest
 
 
 def scan_local(root: Path) -> list[LocalStep]:
@@ -57,17 +66,20 @@ def scan_local(root: Path) -> list[LocalStep]:
             if not m or not d.is_dir():
                 continue
             rank = int(m.group(1))
-            marker = None
+            marker, problem = None, ""
             if not m.group(2) and (d / MARKER).is_file():
                 try:
                     marker = read_json(d / MARKER)
-                except (OSError, ChecksumError):
-                    marker = None
-            state = "partial" if m.group(2) else "committed" if marker else "written"
+                except (OSError, ChecksumError) as e:
+                    problem = _unreadable(d / MARKER, e)
+                if marker is not None and not isinstance(marker, dict):
+                    marker, problem = None, f"{d / MARKER}: not a JSON object"
+            state = ("partial" if m.group(2) else "committed" if marker
+                     else "damaged" if problem else "written")
             partners = list(marker.get("partners", [])) if marker else []
             if marker:
                 nprocs = marker.get("num_processes", nprocs)
-            copies.append(RankCopy(rank, state, tree_size(d), partners))
+            copies.append(RankCopy(rank, state, tree_size(d), partners, problem))
         have = {c.rank for c in copies if c.state == "committed"}
         have |= {q for c in copies if c.state == "committed" for q in c.partners}
         committed = nprocs is not None and all(r in have for r in range(nprocs))
@@ -88,9 +100,33 @@ def scan_persistent(root: Path) -> list[PersistentStep]:
         elif d.name.isdigit():
             m = read_manifest(d)
             files = len(m["files"]) if m else sum(1 for p in d.rglob("*") if p.is_file())
-            out.append(PersistentStep(int(d.name), "committed" if m else "unverified",
-                                      tree_size(d), files))
+            problem = "" if m is not None else manifest_problem(d)
+            state = "committed" if m else "damaged" if problem else "unverified"
+            out.append(PersistentStep(int(d.name), state, tree_size(d), files, problem))
     return sorted(out, key=lambda s: (s.step, s.state))
+
+
+def manifest_problem(step_dir: Path) -> str:
+    """What is wrong with a persistent step's manifest that `read_manifest` refused ("": there
+    is none, the step is `unverified`)."""
+    path = step_dir / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        return ""
+    try:
+        doc = read_json(path)
+    except (OSError, ChecksumError) as e:
+        return _unreadable(path, e)
+    if not isinstance(doc, dict):
+        return f"{path}: not a JSON object"
+    return f"{path}: format {doc.get('format')!r}, not spmd's manifest"
+
+
+def _unreadable(path: Path, e: Exception) -> str:
+    if isinstance(e, ChecksumError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{path}: cannot be read ({e.strerror or e})"
+    return f"{path}: {e}"
 
 
 def verify_local(root: Path, nonfinite: list[dict] | None = None) -> tuple[list[str], int]:
@@ -104,6 +140,9 @@ def verify_local(root: Path, nonfinite: list[dict] | None = None) -> tuple[list[
     for step in scan_local(root):
         counts: dict[tuple[str, str], tuple[int, int]] = {}
         for c in step.ranks:
+            if c.state == "damaged":
+                problems.append(f"local step {step.step}, rank {c.rank}: damaged marker: "
+                                f"{c.problem}")
             if c.state != "committed":
                 continue
             d = root / str(step.step) / f"rank{c.rank:05d}"
@@ -156,12 +195,16 @@ def _verify_blob(index_path: Path, data_path: Path, index_crc: str | None,
 def verify_persistent(root: Path) -> tuple[list[str], int]:
     problems, checked = [], 0
     for step in scan_persistent(root):
+        d = root / str(step.step)
+        if step.state == "damaged":
+            problems.append(f"persistent step {step.step}: damaged manifest: {step.problem}")
+            continue
         if step.state != "committed":
             continue
-        d = root / str(step.step)
         manifest = read_manifest(d)
         if manifest is None:
-            problems.append(f"{d / MANIFEST}: unreadable")
+            problems.append(f"persistent step {step.step}: damaged manifest: "
+                            f"{manifest_problem(d) or f'{d / MANIFEST}: gone'}")
             continue
         checked += len(manifest["files"])
         problems += verify_files(d, manifest, 0, 1)

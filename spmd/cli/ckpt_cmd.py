@@ -1,7 +1,9 @@
 """`spmd ckpt ls RUN_DIR` / `spmd ckpt verify RUN_DIR`: checkpoints in every tier, and integrity.
 
-`verify` exits 1 when a file fails its checksum (one DAMAGED line each) or a committed
+`verify` exits 1 when a file fails its checksum or a step's manifest (persistent) or a rank
+copy's marker (local) does not read (one DAMAGED line each, naming the step), or a committed
 step's parameters hold NaN/Inf (one NON-FINITE line per step and parameter, with the count).
+`ls` shows the same states, one word each (spmd.checkpoint.listing; docs/checkpointing.md).
 
 Both read RUN_DIR/config.yaml for the tier directories (defaults: RUN_DIR/local and
 RUN_DIR/checkpoints). A node-local tier on another node is not visible from here: run these on
@@ -90,11 +92,13 @@ def _ls(args: argparse.Namespace) -> int:
         for c in s.ranks:
             held = (f", holds partner copies of rank(s) {', '.join(map(str, c.partners))}"
                     if c.partners else "")
-            print(f"      rank {c.rank:<5} {c.state:<9} {_size(c.bytes):>10}{held}")
+            why = f"  ({c.problem})" if c.problem else ""
+            print(f"      rank {c.rank:<5} {c.state:<9} {_size(c.bytes):>10}{held}{why}")
     print(f"persistent tier: {persistent_dir}"
           + ("" if persistent_dir.is_dir() else "  (does not exist)"))
     for p in persistent:
-        print(f"  step {p.step:>8}  {p.state:<13}  {_size(p.bytes):>10}  {p.files} files")
+        why = f"  ({p.problem}; see `spmd ckpt verify`)" if p.problem else ""
+        print(f"  step {p.step:>8}  {p.state:<13}  {_size(p.bytes):>10}  {p.files} files{why}")
     print(f"latest committed: local {latest_local}, persistent {latest_persistent}")
     return 0
 
