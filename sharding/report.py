@@ -7,6 +7,8 @@ shard; the runtime and `spmd shardings` log what it returns. Two cases:
 (b) a parameter of at least `warn_bytes` bytes is whole on every device while a mesh axis
     that can split parameters (stage, fsdp, tensor, expert) is larger than 1.
 The message names the parameters (largest first), their bytes and the rule to change.
+`unannotated_note` counts the parameters the model gave no logical axes (replicated, or
+placed by auto-FSDP) and says how to name them for tensor parallelism.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class ShardingReport:
                     "bytes_per_device": p.bytes_per_device(self.mesh_shape),
                     "padded_dims": p.padded,
                     "auto_fsdp_dim": p.auto_fsdp_dim,
+                    "unannotated": p.unannotated,
                 }
                 for p in self.params
             ],
@@ -102,6 +105,9 @@ class ShardingReport:
         if any(p.auto_fsdp_dim is not None for p in self.params):
             lines.append("auto-fsdp dim D: no rule put it on fsdp; mesh.fsdp_min_bytes split "
                          "dimension D")
+        if any(p.unannotated for p in self.params):
+            lines.append("unannotated: the model gave it no logical axes; replicated unless "
+                         "auto-fsdp split it (mesh.require_annotations=true refuses it)")
         lines.append(
             f"total {self.total_bytes:,} B, per device {self.bytes_per_device:,} B, "
             f"replicated fraction {self.replicated_fraction:.3f}"
@@ -110,7 +116,7 @@ class ShardingReport:
 
 
 def _notes(p: ParamSharding) -> str:
-    notes = []
+    notes = ["unannotated"] if p.unannotated else []
     if p.padded:
         notes.append(f"padded+{p.padded}")
     if p.auto_fsdp_dim is not None:
@@ -178,3 +184,20 @@ def replication_warning(report: ShardingReport, strategy: str,
                 f"their logical axes; mesh.warn_replicated_bytes=null silences this."
             )
     return " ".join(messages) or None
+
+
+def unannotated_note(report: ShardingReport) -> str | None:
+    """One line counting the parameters without logical axes, or None when there are none."""
+    bare = [p for p in report.params if p.unannotated]
+    if not bare:
+        return None
+    split = sum(p.auto_fsdp_dim is not None for p in bare)
+    nbytes = sum(p.bytes_total() for p in bare)
+    first = ", ".join(p.path for p in bare[:_NAMED]) + (", ..." if len(bare) > _NAMED else "")
+    placed = (f"{split} split over fsdp by auto-FSDP, the rest replicated" if split
+              else "replicated on every device")
+    return (f"{len(bare)} of {len(report.params)} parameters ({nbytes:,} B) have no logical "
+            f"axes ({first}): {placed}. To shard them with tensor parallelism (mesh.strategy="
+            f"tp or fsdp_tp), name their dimensions in the model with spmd's with_axes(init, "
+            f"('embed', 'mlp')) or Flax's nnx.with_partitioning(init, ('embed', 'mlp')); "
+            f"`spmd shardings` marks them 'unannotated'.")

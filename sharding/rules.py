@@ -50,10 +50,15 @@ class RuleTable:
     `fsdp_min_bytes` (parameters only, see `spmd.sharding.fsdp`): when the mesh's `fsdp` axis
     is larger than 1, a parameter of at least this many bytes that no rule puts on `fsdp` is
     split over it along its largest dimension that divides; None: only the rules decide.
+
+    `require_annotations` (config `mesh.require_annotations`): a parameter with no logical
+    axes at all is an error; False (the default) gives it one unnamed (None) name per
+    dimension, so it is replicated, or placed by auto-FSDP under an `fsdp` axis.
     """
 
     rules: Mapping[str, MeshAxes] = field(default_factory=dict)
     fsdp_min_bytes: int | None = None
+    require_annotations: bool = False
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, RuleValue]) -> RuleTable:
@@ -66,6 +71,9 @@ class RuleTable:
 
     def with_fsdp_min_bytes(self, min_bytes: int | None) -> RuleTable:
         return dataclasses.replace(self, fsdp_min_bytes=min_bytes)
+
+    def with_require_annotations(self, required: bool) -> RuleTable:
+        return dataclasses.replace(self, require_annotations=required)
 
     def lookup(self, name: str) -> MeshAxes | None:
         """The mesh axes for `name`, or None when the table has no rule for it."""

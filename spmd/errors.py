@@ -13,7 +13,8 @@ class ExitCode(IntEnum):
     """Every status a spmd process exits with on purpose (sysexits.h where one fits)."""
 
     OK = 0
-    USER_ERROR = 2      # a config, launch, sharding or lease problem; the message names it
+    USER_ERROR = 2      # a config, launch, sharding or lease problem, or an exception from
+    #                     the task's model (spmd.engine.model_errors); the message names it
     DOES_NOT_FIT = 3    # `spmd plan`: the run does not fit the devices' memory
     NONFINITE = 65      # EX_DATAERR: a non-finite loss or gradient norm stopped the run
     #                     (train.nonfinite); nothing non-finite was saved: lower optimizer.lr, rerun

@@ -21,7 +21,7 @@ import jax
 
 from spmd.engine.engine_config import MeshConfig
 from spmd.sharding import RuleTable, ShardingReport, rules_for
-from spmd.sharding.report import replication_warning
+from spmd.sharding.report import replication_warning, unannotated_note
 from spmd.sharding.rules import flax_rules
 from spmd.tasks.base import Task
 
@@ -38,12 +38,17 @@ def axis_rules(mesh_cfg: MeshConfig, task: Task) -> RuleTable:
                             source=f"{type(task).__name__}.logical_axis_rules()")
     return (table.with_overrides(translated)
             .with_overrides(mesh_cfg.rules)
-            .with_fsdp_min_bytes(mesh_cfg.fsdp_min_bytes))
+            .with_fsdp_min_bytes(mesh_cfg.fsdp_min_bytes)
+            .with_require_annotations(mesh_cfg.require_annotations))
 
 
 def warn_replication(report: ShardingReport, mesh_cfg: MeshConfig) -> str | None:
     """Log (WARNING on process 0, INFO on the others: one copy on the console) what the
-    layout replicates that `mesh.strategy` exists to shard; returns the message or None."""
+    layout replicates that `mesh.strategy` exists to shard; returns the message or None.
+    Parameters without logical axes are counted in one INFO line (process 0)."""
+    note = unannotated_note(report)
+    if note is not None and jax.process_index() == 0:
+        log.info(note)
     message = replication_warning(report, mesh_cfg.strategy, mesh_cfg.warn_replicated_bytes)
     if message is not None:
         log.log(logging.WARNING if jax.process_index() == 0 else logging.INFO, message)

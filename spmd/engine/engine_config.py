@@ -43,6 +43,11 @@ class MeshConfig(BaseModel):
         "parameter of at least this many bytes that no rule puts on fsdp is split along its "
         "largest dimension the fsdp ways divide; smaller ones stay replicated. null: only the "
         "rules shard over fsdp.")
+    require_annotations: bool = Field(
+        False, description="Refuse a parameter that the model gave no logical axes (neither "
+        "with_axes nor nnx.with_partitioning), naming its path. false: such a parameter gets "
+        "one unnamed (None) axis per dimension, replicated, or placed by auto-FSDP "
+        "(mesh.fsdp_min_bytes) under an fsdp axis.")
     warn_replicated_bytes: int | None = Field(
         2**20, ge=0, description="A parameter of at least this many bytes left whole on every "
         "device while a mesh axis that splits parameters is > 1 is named in a warning (with "

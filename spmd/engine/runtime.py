@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from spmd.data.feed import BatchFeed
 from spmd.engine.axis_rules import axis_rules, warn_replication
 from spmd.engine.engine_config import EngineSections
+from spmd.engine.model_errors import framed
 from spmd.engine.pipeline_checks import check_grad_accum, check_pipeline
 from spmd.engine.state import (
     ModelLayout,
@@ -100,7 +101,9 @@ class Runtime:
         executable that training runs.
         """
         start = time.perf_counter()
-        compiled = self.train_step.lower(self.state.abstract, self.abstract_batch()).compile()
+        lowered = self.train_step.lower(self.state.abstract, self.abstract_batch())
+        with framed("compile", type(self.task).__name__):   # an exception from XLA: framed
+            compiled = lowered.compile()
         return compiled, time.perf_counter() - start
 
     def eval_params(self, state: TrainState) -> dict:

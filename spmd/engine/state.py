@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd.engine import model_errors
 from spmd.engine.engine_config import EngineSections
 from spmd.errors import ConfigError, SpmdError
 from spmd.optim import build_optimizer, build_schedule, decay_mask, with_clipping
@@ -148,11 +149,16 @@ class ModelLayout:
     report: ShardingReport
     # the RNG streams the model's modules hold (nnx.RngKey/RngCount), abstract; often empty
     abstract_rngs: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))
+    # the task's mode hooks (`Task.train_mode`, `Task.eval_mode`); None: model.train()/eval()
+    train_mode: Callable[[nnx.Module], None] | None = None
+    eval_mode: Callable[[nnx.Module], None] | None = None
+    task_name: str = "Task"   # for framed model errors (spmd.engine.model_errors)
 
     def merge(self, params: dict, key: jax.Array | None = None, *,
               train: bool = False) -> nnx.Module:
         """Rebuild the module from pure-dict params (inside jit: params are tracers), in
-        train mode (`model.train()`: Dropout active) or eval mode (`model.eval()`).
+        train mode (`Task.train_mode`, default `model.train()`: Dropout active) or eval mode
+        (`Task.eval_mode`, default `model.eval()`).
 
         RNG streams the model holds get a key derived from `key` and the variable's path,
         and a count of 0 (as `nnx.reseed` would): deterministic per (key, path). No `key`:
@@ -165,7 +171,11 @@ class ModelLayout:
             states.append(model_rng_state(self.abstract_rngs,
                                           jax.random.key(0) if key is None else key))
         model = nnx.merge(self.graphdef, *states)
-        if train:
+        hook = self.train_mode if train else self.eval_mode
+        if hook is not None:
+            with model_errors.framed("train_mode" if train else "eval_mode", self.task_name):
+                hook(model)
+        elif train:
             model.train()
         else:
             model.eval()
@@ -193,7 +203,9 @@ def model_layout(task: Task, seed: int, rules: RuleTable, mesh: Mesh) -> ModelLa
 
     Variables besides parameters and RNG streams are refused with the path and type of the
     first few: spmd's train state has no place for them (yet)."""
-    with nnx.use_eager_sharding(False):   # Flax-annotated models: spmd places the arrays
+    name = type(task).__name__
+    with (nnx.use_eager_sharding(False),   # Flax-annotated models: spmd places the arrays
+          model_errors.framed("build", name)):
         abstract_model = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(seed)))
     graphdef, abstract_params, abstract_rngs, other = nnx.split(
         abstract_model, nnx.Param, nnx.RngState, ...)
@@ -211,7 +223,9 @@ def model_layout(task: Task, seed: int, rules: RuleTable, mesh: Mesh) -> ModelLa
             f"normalization without running statistics (nnx.LayerNorm, nnx.GroupNorm), or "
             f"make these nnx.Param if they are trained")
     report = ShardingReport(dict(mesh.shape), resolve_params(abstract_params, rules, mesh))
-    return ModelLayout(graphdef, abstract_params, report, abstract_rngs)
+    return ModelLayout(graphdef, abstract_params, report, abstract_rngs,
+                       getattr(task, "train_mode", None), getattr(task, "eval_mode", None),
+                       name)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -286,7 +300,8 @@ def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
     with_ema = layout.shardings.ema is not None
 
     def init() -> TrainState:
-        with nnx.use_eager_sharding(False):   # out_shardings place the arrays
+        with (nnx.use_eager_sharding(False),   # out_shardings place the arrays
+              model_errors.framed("init", type(task).__name__)):
             model = task.build_model(nnx.Rngs(seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,

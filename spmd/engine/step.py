@@ -1,10 +1,13 @@
 """The jitted train and eval steps: explicit in/out shardings, donated state.
 
-Training runs the model in train mode (`model.train()`: Dropout active), evaluation and
-samples in eval mode (`model.eval()`), each step's randomness drawn from the state's key and
+Training runs the model in train mode (`Task.train_mode`, default `model.train()`: Dropout
+active), evaluation and samples in eval mode (`Task.eval_mode`, default `model.eval()`), each
+step's randomness drawn from the state's key and
 the step (spmd.engine.state: `step_key`). A task's `loss` and `eval_metrics` may take
 keyword arguments `rngs` (an `nnx.Rngs` with `dropout` and `default` streams) and `train`;
-`task_options` finds out once which ones, and only those are passed.
+`task_options` finds out once which ones, and only those are passed. An exception from the
+task's model while a step is traced is framed with the stage and the task
+(spmd.engine.model_errors).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd.engine.model_errors import framed
 from spmd.engine.state import (
     ModelLayout,
     StateLayout,
@@ -107,13 +111,19 @@ def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
     """
     task_loss = with_options(task.loss)
     param_shardings = state_layout.shardings.params
+    name = type(task).__name__
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        with framed("train_step", name):
+            return _train_step(state, batch)
+
+    def _train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         key = step_key(state.rng, state.step)
         with activation_sharding(mesh, rules), pipeline_schedule(schedule):
             def loss_fn(params, batch, key):
                 model = layout.merge(params, key, train=True)
-                return task_loss(model, batch, key=key, train=True)
+                with framed("train_step", name, model):
+                    return task_loss(model, batch, key=key, train=True)
 
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             if grad_accum == 1:
@@ -172,7 +182,9 @@ def make_eval_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
     def eval_step(params: dict, batch: dict) -> dict:
         key = eval_key(train_rng(seed))
         with activation_sharding(mesh, rules), pipeline_schedule(schedule):
-            metrics = metrics_of(layout.merge(params, key), batch, key=key, train=False)
+            model = layout.merge(params, key)
+            with framed("eval_step", type(task).__name__, model):
+                metrics = metrics_of(model, batch, key=key, train=False)
         return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
     return jax.jit(
@@ -190,7 +202,9 @@ def make_sample_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
 
     def sample_step(params: dict, batch: dict) -> dict:
         with activation_sharding(mesh, rules), pipeline_schedule(schedule):
-            return task.sample_outputs(layout.merge(params), batch)
+            model = layout.merge(params)
+            with framed("sample", type(task).__name__, model):
+                return task.sample_outputs(model, batch)
 
     return jax.jit(
         sample_step,

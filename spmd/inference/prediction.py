@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 
 from spmd.data.arrays import ArrayDataError, ArraySource
 from spmd.data.feed import BatchFeed
+from spmd.engine.model_errors import framed
 from spmd.engine.pipeline_checks import check_pipeline
 from spmd.errors import SpmdError
 from spmd.inference.loading import Trained
@@ -104,7 +105,9 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
 
     def predict(params, inputs):
         with activation_sharding(mesh, rules), pipeline_schedule(schedule):
-            return task.predict(trained.layout.merge(params, train=False), inputs)
+            model = trained.layout.merge(params, train=False)
+            with framed("predict", type(task).__name__, model):
+                return task.predict(model, inputs)
 
     abstract = {name: jax.ShapeDtypeStruct(field.global_shape(batch), field.dtype,
                                            sharding=in_sharding)}

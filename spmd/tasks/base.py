@@ -58,6 +58,8 @@ class Task(abc.ABC, Generic[ModelCfg]):
     `rngs=rngs` keeps its own stream, which spmd reseeds from the same step key, so either
     way a resumed run draws exactly what an uninterrupted one would. Model variables other
     than parameters and RNG streams (e.g. BatchNorm's batch statistics) are not supported.
+    A model that needs more than `train()`/`eval()` (e.g. Flax's attention `decode=False`)
+    gets it from overrides of `train_mode` and `eval_mode`.
     """
 
     Config: ClassVar[type[BaseModel]] = ModelConfig
@@ -78,6 +80,19 @@ class Task(abc.ABC, Generic[ModelCfg]):
 
     @abc.abstractmethod
     def batch_fields(self) -> Mapping[str, BatchField]: ...
+
+    def train_mode(self, model: nnx.Module) -> None:
+        """Put `model` into train mode, in place, before `loss` sees it (inside the jitted
+        step, on every trace). Default: `model.train()` (Dropout active). Override to set
+        more, e.g. `model.set_attributes(deterministic=False, decode=False)`."""
+        model.train()
+
+    def eval_mode(self, model: nnx.Module) -> None:
+        """Put `model` into eval mode, in place, before `eval_metrics`, `sample_outputs`,
+        `predict`, `spmd.load` and `spmd export` see it. Default: `model.eval()` (Dropout
+        off). Override to set more, e.g. `model.set_attributes(deterministic=True,
+        decode=False)`."""
+        model.eval()
 
     @abc.abstractmethod
     def loss(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict]:

@@ -94,14 +94,16 @@ def test_flax_annotated_layers_resolve_like_with_axes():
 
 
 def test_unannotated_parameter_error_names_both_ways_and_the_path():
+    """Only with mesh.require_annotations: by default it is replicated (test_unannotated)."""
     with nnx.use_eager_sharding(False):
         state = nnx.state(nnx.eval_shape(
             lambda: nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)))), nnx.Param)
     mesh = build_mesh(MeshConfig(strategy="dp"), jax.devices())
     with pytest.raises(ShardingError) as e:
-        resolve_params(state, rules_for("dp"), mesh)
+        resolve_params(state, rules_for("dp").with_require_annotations(True), mesh)
     msg = str(e.value)
-    for part in ("layers/0/bias", "no logical axes", "with_axes", "nnx.with_partitioning"):
+    for part in ("layers/0/bias", "no logical axes", "with_axes", "nnx.with_partitioning",
+                 "mesh.require_annotations"):
         assert part in msg, msg
 
 
