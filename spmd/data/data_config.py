@@ -77,3 +77,8 @@ class DataConfig(BaseModel):
         "statistics `spmd data stats CONFIG` stored beside the data; metrics and predictions "
         "stay in physical units. Tasks that support it: FieldTask and its subclasses "
         "(spmd.data.normalization).")
+    allow_changed: bool = Field(
+        False, description="Each job of a run fingerprints every file of data.path (size, "
+        "mtime and a hash of its first and last blocks; spmd.data.run_inputs) and records it in "
+        "run.dir; a resumed job whose files changed, disappeared or appeared is an error naming "
+        "the file. true: train on with the new data, logged as a change of data (a warning).")

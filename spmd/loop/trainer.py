@@ -34,6 +34,7 @@ from spmd.comm.job_failure import FailureWatch, announce
 from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
+from spmd.data.run_inputs import check_run_inputs
 from spmd.engine.engine_config import EngineSections
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import CheckedRules, Runtime, build_runtime, check_rules
@@ -219,6 +220,8 @@ class Trainer:
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
         restored = restore_state(rt, checkpointer, previous, run_dir, events,
                                  cfg.checkpoint.params_only)
+        # the data the run began with, or one line naming the file that changed
+        check_run_inputs(cfg.data, run_dir, restored.step if restored else None, is_main)
         if is_main:  # only a config that builds (task, mesh, shardings) and restores (the
             # recipe may change: spmd.loop.recipe) replaces the run's
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
