@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spmd.data.file_index import _rel, content_stamp, resolve
+from spmd.data.file_index import _rel, content_stamp, data_exists, resolve
 from spmd.data.stores import ArrayDataError
 
 log = logging.getLogger("spmd.data")
@@ -51,8 +51,15 @@ def check_run_inputs(data: Any, run_dir: Path, restored_step: int | None,
     if not is_main or getattr(data, "source", "synthetic") == "synthetic" or data.path is None:
         return
     path, where = str(data.path), f"data.path={data.path}"
+    if not data_exists(path):   # a task that reads other files than data.path names
+        log.debug("%s: nothing there to fingerprint", where)
+        return
     began = time.perf_counter()
-    now = input_fingerprint(path, where)
+    try:
+        now = input_fingerprint(path, where)
+    except OSError as e:
+        raise ArrayDataError(f"{where}: cannot read {e.filename or path} to fingerprint the "
+                             f"run's data ({e.strerror or e})") from None
     record = Path(run_dir) / RECORD_NAME
     previous = _read(record) if restored_step is not None else None
     if previous is not None:
