@@ -173,7 +173,7 @@ def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | No
     target = nonfinite_restore_target(abstract, saved if previous else None)
     try:
         restored = checkpointer.restore(target, optional=ADDED_FIELDS,
-                                        saves=None if target is abstract else abstract)
+                                        **({} if target is abstract else {"saves": abstract}))
         if restored is not None and target is not abstract:
             restored = dataclasses.replace(restored,
                                            state=nonfinite_switched(restored.state, abstract))
