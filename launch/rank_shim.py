@@ -16,6 +16,9 @@ Invariants:
 - The rank inherits every file descriptor and the environment; the shim then closes its own
   copy of Hydra's PMI socket (PMI_FD), whose lifetime must be the rank's.
 - It imports nothing heavy: run by its file path, it loads no jax, numpy or spmd.
+- Under `spmd run` (SPMD_RUN_TMPDIR set), it leaves the rank's exit status in that folder
+  (`status-<shim pid>`), so that `spmd run` decides the job's status from the ranks' own
+  statuses, not from what the MPI launcher makes of them (Hydra ORs them together).
 """
 
 from __future__ import annotations
@@ -28,6 +31,21 @@ import sys
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT, signal.SIGTSTP)
 WATCHED = {*FORWARDED, signal.SIGCHLD}  # blocked in the shim, taken one at a time by sigwait
+RUN_TMPDIR_VAR = "SPMD_RUN_TMPDIR"   # `spmd run`'s own temporary folder (statuses, marks)
+
+
+def report_status(status: int) -> None:
+    """Leave `status` in $SPMD_RUN_TMPDIR/status-<pid> (whole, by rename), if it is set."""
+    folder = os.environ.get(RUN_TMPDIR_VAR, "")
+    if not folder:
+        return
+    path = os.path.join(folder, f"status-{os.getpid()}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{status}\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # `spmd run` then decides from the launcher's status
 
 
 def die_with_parent() -> None:
@@ -85,7 +103,9 @@ def main(argv: list[str]) -> int:
                 pass
     # the rank is gone: what the proxy still sends (Hydra signals SIGUSR1 as ranks close their
     # PMI sockets) stays blocked and cannot turn the shim's clean exit into a death by signal
-    return exit_status(returncode)
+    status = exit_status(returncode)
+    report_status(status)
+    return status
 
 
 if __name__ == "__main__":

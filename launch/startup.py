@@ -6,6 +6,12 @@ fatal errors ... DEADLINE_EXCEEDED"), so every wait is ours first: non-zero rank
 coordinator's TCP port until `init_timeout_s`, and a watchdog thread ends the process with a
 message naming rank, host and coordinator if initialize itself is not done by then.
 
+Preemption is watched from bootstrap's first line on (spmd.launch.preemption): the process's
+`PreemptionWatcher` is installed before MPI or jax.distributed start, JAX's own preemption
+notifier is turned off (`jax_enable_preemption_service`: its C++ handler caught SIGTERM,
+"preemption_notifier.cc: SIGTERM caught", and the signal was lost to spmd), and the watcher's
+handlers are put back after jax.distributed.initialize, in case anything replaced them.
+
 Nothing else reads bootstrap's state: other layers get the LaunchEnv it returns, and the MPI
 world from `spmd.launch.mpi.world()` (cached: the same communicator bootstrap used).
 """
@@ -26,7 +32,7 @@ from spmd.errors import ExitCode
 from spmd.launch import coordinator, devices, mpi, watchdog
 from spmd.launch.env import LaunchEnv, resolve_launch_env
 from spmd.launch.errors import LaunchError
-from spmd.launch.preemption import ignore_at_exit
+from spmd.launch.preemption import PreemptionWatcher, ignore_at_exit
 
 _booted: list[LaunchEnv] = []  # the first bootstrap's env: jax.distributed starts once
 
@@ -44,7 +50,8 @@ def _timed_out(env: LaunchEnv, addr: str, timeout_s: float) -> None:
 
 
 def _initialize(env: LaunchEnv, ids: tuple[int, ...] | None, init_timeout_s: float,
-                heartbeat_timeout_s: float, shutdown_timeout_s: float) -> None:
+                heartbeat_timeout_s: float, shutdown_timeout_s: float,
+                watch_preemption: bool = False) -> None:
     import jax
 
     assert env.coordinator is not None
@@ -64,6 +71,7 @@ def _initialize(env: LaunchEnv, ids: tuple[int, ...] | None, init_timeout_s: flo
     watchdog = threading.Timer(left, _timed_out, args=(env, env.coordinator, init_timeout_s))
     watchdog.daemon = True
     watchdog.start()
+    _no_jax_preemption_notifier(jax)
     try:
         jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError) as e:
@@ -71,17 +79,40 @@ def _initialize(env: LaunchEnv, ids: tuple[int, ...] | None, init_timeout_s: flo
                           f"{env.size} processes) failed: {e}") from e
     finally:
         watchdog.cancel()
+        if watch_preemption:  # whatever initialize did to the handlers, spmd's are back
+            _watch_preemption(env)
+
+
+def _no_jax_preemption_notifier(jax: Any) -> None:
+    """Turn off JAX's preemption service: its notifier takes SIGTERM for itself (spmd's
+    watcher decides what a signal means; nothing of spmd uses JAX's sync points)."""
+    try:
+        jax.config.update("jax_enable_preemption_service", False)
+    except (AttributeError, KeyError, ValueError):
+        pass  # a JAX without that option has no notifier to turn off
+
+
+def _watch_preemption(env: LaunchEnv | None) -> None:
+    """Install (or put back) the process's preemption watcher; main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        PreemptionWatcher.install(env=env)
 
 
 def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0, *,
               shutdown_timeout_s: float | None = None,
-              environ: Mapping[str, str] | None = None) -> LaunchEnv:
+              environ: Mapping[str, str] | None = None,
+              watch_preemption: bool = False) -> LaunchEnv:
     """Resolve, bind devices and (for more than one rank) jax.distributed.initialize.
 
-    Idempotent: a second call in the same process returns the first call's LaunchEnv.
+    `watch_preemption` (training): the process's PreemptionWatcher is installed first, so
+    that SIGTERM, SIGUSR1 and SIGUSR2 are recorded, not fatal, from here on; without it a
+    signal keeps its default action. Idempotent: a second call in the same process returns
+    the first call's LaunchEnv.
     """
     if _booted:  # once per process: jax.distributed cannot be initialized twice
         return _booted[0]
+    if watch_preemption:
+        _watch_preemption(None)  # first: a signal from here on is the run's to act on
     environ = os.environ if environ is None else environ
     comm = mpi.world(environ)
     if comm is not None:  # after MPI_Init: a peer's exit must not kill this rank at its own
@@ -92,11 +123,13 @@ def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
     addr, source = coordinator.choose(env, comm, environ, init_timeout_s)
     env = replace(env, coordinator=addr, sources={**env.sources, "coordinator": source})
     devices.apply(device_plan, environ)
+    if watch_preemption:
+        _watch_preemption(env)  # the watcher names this rank from here on
     if comm is not None and env.size > 1 and comm.Get_size() == env.size:
         _watch_local_peers(env, comm, init_timeout_s)
     if env.size > 1:
         _initialize(env, device_plan.local_device_ids, init_timeout_s, heartbeat_timeout_s,
-                    shutdown_timeout_s or init_timeout_s)
+                    shutdown_timeout_s or init_timeout_s, watch_preemption)
     _booted.append(env)
     return env
 

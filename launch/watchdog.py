@@ -177,7 +177,9 @@ def watch_peers(peers: Mapping[int, tuple[int, int | None]], rank: int, host: st
 
     `job_key` is the same on every rank of the job and differs between jobs.
     """
-    marks = Path(tempfile.gettempdir()) / f"spmd-exits-{job_key}"
+    # under `spmd run`, in its own temporary folder, which it removes however the job ends
+    marks = Path(os.environ.get("SPMD_RUN_TMPDIR") or tempfile.gettempdir()) / (
+        f"spmd-exits-{job_key}")
     marks.mkdir(parents=True, exist_ok=True)
     _exit_mark[:] = [(marks, rank, len(peers) + 1)]
     atexit.register(leave_exit_mark)

@@ -4,6 +4,10 @@ Owns: argument parsing (`main`) and the subcommands (`<name>_cmd`). May import e
 nothing imports it.
 """
 
-from spmd.cli.main import main
+from spmd.cli.early_signal import catch
+
+catch()  # `spmd run` / `spmd train`: a preemption signal from the first moment is recorded
+
+from spmd.cli.main import main  # noqa: E402
 
 __all__ = ["main"]

@@ -14,6 +14,13 @@ refused with one line naming the holder (status 2); rank 0 still takes the lease
 
 Each rank runs behind a shim (spmd.launch.rank_shim) that turns a death by signal into exit
 status 128+S, so Hydra's proxy does not SIGKILL the other ranks and they can name the lost one.
+
+The exit status is the table's (spmd.errors.ExitCode), decided from the ranks' own statuses,
+which the shims leave in this process's temporary folder (SPMD_RUN_TMPDIR, also where the
+ranks keep their exit marks), not from what the launcher makes of them (Hydra ORs them:
+69 | 137 = 205): see `job_status`. The folder is removed on every way out that still runs
+Python. A preemption signal that reaches this process before the ranks are started (from
+its first moment on: spmd.cli.early_signal) exits 75 at once, with a line: nothing was run.
 When the ranks fail, the ERROR lines they wrote to run.dir/logs during this job are repeated
 at the end, one per line, after Hydra's own report.
 
@@ -35,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,6 +50,7 @@ from typing import IO
 
 import psutil
 
+from spmd.cli import early_signal
 from spmd.cli.train_cmd import add_verbose, verbose_overrides
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME
 from spmd.errors import ExitCode, SpmdError
@@ -52,6 +61,7 @@ from spmd.rundir.console import CONSOLE_VAR
 MPIEXEC_VAR = "SPMD_MPIEXEC"   # the launcher to use instead of the embedded MPI's mpiexec
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 ENDING = (signal.SIGTERM, signal.SIGINT)   # the ranks save and stop, or are killed
+PREEMPTING = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # a rank's watcher's signals
 KILL_WAIT_S = 30.0       # launch.kill_wait_s's default, for entries other than train
 DEFAULT_SAVE_S = 600.0   # checkpoint.timeout_s's default, for entries other than train
 DRAIN_S = 5.0            # how long the ranks' output may still come after mpiexec ended
@@ -320,7 +330,70 @@ def error_lines(run_dir: Path, before: dict[Path, int], limit: int = 20) -> list
     return found[-limit:]
 
 
+def rank_statuses(folder: Path) -> list[int]:
+    """The exit statuses the rank shims left in `folder` (one per rank that ended)."""
+    found = []
+    for path in folder.glob("status-*"):
+        if path.suffix == ".tmp":
+            continue
+        try:
+            found.append(int(path.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def job_status(statuses: list[int], n: int, signalled: int | None = None) -> int | None:
+    """The job's status in the table (ExitCode) from its `n` ranks' own `statuses`; None
+    when some rank left none (its shim was killed: the launcher's status stands).
+
+    - every rank 0: 0; every non-zero status the same: that one;
+    - `signalled` (the signal this process forwarded to the ranks) and each rank either
+      stopped for it (75), died of it before it could act on it (128+S: its first moment,
+      before Python ran) or finished (0: the run was at its end): PREEMPTED;
+    - else a status of the table other than ORPHANED (the cause; the others follow it: a
+      failure's, a hang's), the most frequent one; else ORPHANED when a rank was lost (died
+      by a signal, 128+S) or a survivor named it so.
+    """
+    if len(statuses) < n:
+        return None
+    failed = [c for c in statuses if c != 0]
+    if not failed:
+        return ExitCode.OK
+    table = {int(c) for c in ExitCode}
+    if len(set(failed)) == 1 and (failed[0] <= 128 or failed[0] in table):
+        return failed[0]   # (130: Ctrl-C, which the ranks take as KeyboardInterrupt)
+    if signalled in PREEMPTING and all(c in (ExitCode.PREEMPTED, 128 + signalled)
+                                       for c in failed):
+        return ExitCode.PREEMPTED
+    causes = [c for c in failed if c != ExitCode.ORPHANED and c <= 128]
+    if causes:
+        return max(sorted(set(causes)), key=causes.count)
+    return ExitCode.ORPHANED
+
+
 def run(args: argparse.Namespace) -> int:
+    """`spmd run`: start the ranks, forward signals, end with the table's status."""
+    folder = Path(tempfile.mkdtemp(prefix=f"spmd-run-{os.getpid()}-"))
+    try:
+        return _run(args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def preempted_before_start(received: int | None) -> int | None:
+    """ExitCode.PREEMPTED, with a line, when a preemption signal came before the ranks ran."""
+    if received is None:
+        return None
+    print(f"spmd run: {signal.Signals(received).name} received before the ranks were started: "
+          f"nothing to save; exiting {int(ExitCode.PREEMPTED)} (preempted: requeue the job, "
+          "the run resumes from its last checkpoint)", file=sys.stderr, flush=True)
+    return ExitCode.PREEMPTED
+
+
+def _run(args: argparse.Namespace, folder: Path) -> int:
+    if (code := preempted_before_start(early_signal.HANDLER.received)) is not None:
+        return code
     if args.n < 1:
         raise SpmdError(f"spmd run: -n {args.n}: need at least one rank")
     if args.ppn < 1 or args.n % args.ppn:
@@ -345,10 +418,14 @@ def run(args: argparse.Namespace) -> int:
                 *overrides]
     cmd = [str(mpiexec), "-n", str(args.n), *flavor_args(mpiexec, save_s, kill_wait_s),
            *rank_cmd]
+    if (code := preempted_before_start(early_signal.HANDLER.received)) is not None:
+        return code
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
     on_linux = sys.platform == "linux"
-    proc = subprocess.Popen(cmd, env=console_env(child_env(args.ppn), sys.stderr),
+    env = console_env(child_env(args.ppn), sys.stderr)
+    env[rank_shim.RUN_TMPDIR_VAR] = str(folder)
+    proc = subprocess.Popen(cmd, env=env,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE,
                             preexec_fn=rank_shim.die_with_parent if on_linux else None)
@@ -365,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
     ending: dict[str, float] = {}
 
     def forward(signum: int, frame: object) -> None:
+        ending.setdefault("forwarded", float(as_sent.get(signum, signum)))  # what ranks got
         if signum in ENDING:
             if signum == signal.SIGINT and "SIGINT" in ending:
                 ending["deadline"] = 0.0
@@ -377,6 +455,8 @@ def run(args: argparse.Namespace) -> int:
             pass
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    if early_signal.HANDLER.received is not None:  # came while the ranks were being started
+        forward(early_signal.HANDLER.received, None)
     try:
         while True:
             try:
@@ -392,7 +472,10 @@ def run(args: argparse.Namespace) -> int:
                           flush=True)
                     kill_job(proc)
                     proc.wait()
-                    return 128 + int(ending["signal"])
+                    # ranks that saved and stopped before the kill still name the status
+                    decided = job_status(rank_statuses(folder), args.n,
+                                         int(ending["forwarded"]))
+                    return decided if decided is not None else 128 + int(ending["signal"])
             except KeyboardInterrupt:  # a handler raced us; keep waiting for the ranks
                 continue
     finally:
@@ -408,11 +491,23 @@ def run(args: argparse.Namespace) -> int:
     if code != 0 and run_dir is not None and (line := hang_line(run_dir, started)):
         print(f"spmd run: {line}", file=sys.stderr, flush=True)
         return ExitCode.HUNG
-    if (code != ExitCode.PREEMPTED and run_dir is not None
+    forwarded = int(ending["forwarded"]) if "forwarded" in ending else None
+    statuses = rank_statuses(folder)
+    decided = job_status(statuses, args.n, forwarded)
+    if decided is not None:  # the ranks' own statuses, not the launcher's (Hydra ORs them)
+        code = decided
+    if decided == ExitCode.PREEMPTED and forwarded is not None and (
+            killed := statuses.count(128 + forwarded)):
+        print(f"spmd run: {killed} of {args.n} ranks ended by {signal.Signals(forwarded).name} "
+              "while starting, before they could save anything: preempted, exiting "
+              f"{int(ExitCode.PREEMPTED)} (requeue the job; the run resumes from its last "
+              "checkpoint)", file=sys.stderr, flush=True)
+    elif (code != ExitCode.PREEMPTED and run_dir is not None
             and preempted_ranks(run_dir, events_before) >= args.n):
         # every rank saved and stopped; Open MPI's mpirun, which ORs nothing, says 0 or 1
         return ExitCode.PREEMPTED
-    if code != 0 and run_dir is not None and (errors := error_lines(run_dir, before)):
+    if code not in (0, ExitCode.PREEMPTED) and run_dir is not None and (
+            errors := error_lines(run_dir, before)):
         print(f"spmd run: the ranks' errors (from {run_dir / 'logs'}):", file=sys.stderr)
         for line in errors:
             print(f"  {line}", file=sys.stderr)

@@ -187,10 +187,13 @@ class FailureWatch:
             client.key_value_set(f"{ACK_PREFIX}{self.env.rank}", "1")  # type: ignore[attr-defined]
         except Exception:
             pass
-        # the error itself is in the failed rank's log and output: named, not repeated
-        log.error("rank %d on %s failed (%s); ending %s with its status %d (the error is in "
-                  "rank %d's log and output)", failure.rank, failure.host, failure.kind,
-                  self.env.who, failure.status, failure.rank)
+        if failure.kind == "Preempted":  # a stop before training (spmd.loop.early_stop)
+            log.warning("rank %d on %s stopped the job for preemption; ending %s with status "
+                        "%d", failure.rank, failure.host, self.env.who, failure.status)
+        else:  # the error itself is in the failed rank's log and output: named, not repeated
+            log.error("rank %d on %s failed (%s); ending %s with its status %d (the error is "
+                      "in rank %d's log and output)", failure.rank, failure.host, failure.kind,
+                      self.env.who, failure.status, failure.rank)
         if self.on_failure is not None:
             try:
                 self.on_failure(failure)

@@ -8,6 +8,9 @@ checkpoints, plots, a user's own) is a hook added with `add_hook(fn, every=N)`; 
 spmd.loop.hooks for the calling convention.
 A hook stops the run by returning a `Stop`; the trainer alone turns that into the exit
 status (spmd.errors.ExitCode) and the `stopped` or `preempted` event.
+Preemption is watched from bootstrap on: before the first step (preparing, restoring,
+compiling) a signal ends every rank at once with status 75, there being nothing new to save
+(spmd.loop.early_stop); from the first step on, the preemption hook's vote saves and stops.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from spmd.loop.builtin_hooks import (
     PreemptionHook,
     StepClock,
 )
+from spmd.loop.early_stop import EarlyStop
 from spmd.loop.failure_report import exit_status, failure_line, log_to_files
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
 from spmd.loop.profiler_hook import ProfilerHook, profiling
@@ -96,6 +100,7 @@ class Trainer:
         self._user_hooks: list[Hook] = []
         self._hang: StepWatchdog | None = None  # armed by `fit` for its loop
         self._checked: Checked | None = None    # `check`'s task and mesh, for `build`
+        self._early: EarlyStop | None = None    # a signal before the first step: exit 75
 
     def add_hook(self, fn: HookFn, *, every: int = 1, name: str = "") -> Hook:
         """Call `fn(StepInfo)` after every `every`-th update and at the run's last step.
@@ -114,10 +119,14 @@ class Trainer:
         # The job's start for `spmd report`: this process's start (imports count as bootstrap).
         process_start, run_start = psutil.Process().create_time(), time.time()
         env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
-                        heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
+                        heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s,
+                        watch_preemption=True)
         run_dir = Path(cfg.run.dir)
         lease, events, failed, own_log = None, None, False, False
-        failures = FailureWatch(env).start()  # another rank's error ends this one at once
+        early = self._early = EarlyStop(PreemptionWatcher.install(env=env), env)
+        # another rank's error (or early stop) ends this one at once
+        failures = FailureWatch(env, on_failure=early.before_end).start()
+        early.start()
         publish_host(env)  # a hang report names the host of a rank that cannot answer
         try:
             # The run's own data order where the config leaves it unset (spmd.loop.recipe).
@@ -129,6 +138,7 @@ class Trainer:
             # One writer per run.dir: rank 0 leases it before writing there; refused: all exit 2.
             lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
                                      cfg.launch.barrier_timeout_s)
+            early.on_end.append(lease.release)
             run_dir.mkdir(parents=True, exist_ok=True)
             setup_logging(run_dir, env.rank, debug, cfg.run.log_level)
             own_log = True
@@ -171,6 +181,8 @@ class Trainer:
                 # a failure announced meanwhile still ends this rank (FailureWatch)
                 shutdown()
             failures.stop(wait=not failed)
+            early.disarm()
+            early.watcher.reset()  # a later run in this process starts without this signal
             if lease is not None:
                 lease.release()  # finished, preempted (75) or failed: every rank is done
             if events is not None:
@@ -196,7 +208,9 @@ class Trainer:
         # first one, below, would give up after Gloo's fixed 30 s), bounded by
         # launch.prepare_timeout_s and saying what they wait for
         began = time.perf_counter()
+        self._phase("the data's preparation (Task.prepare)")
         prepare_on_rank0(env, task.prepare, self.cfg.launch.prepare_timeout_s)
+        self._phase("the model's set-up")
         if env.size > 1:
             multihost_utils.sync_global_devices("spmd:task-prepared")
         phase_done("data", time.perf_counter() - began, "prepared (Task.prepare)")
@@ -217,6 +231,7 @@ class Trainer:
         previous = previous_recipe(run_dir)
         rt = self.build(env)
         began = time.perf_counter()
+        self._phase("the restore")
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
         restored = restore_state(rt, checkpointer, previous, run_dir, events,
                                  cfg.checkpoint.params_only)
@@ -224,7 +239,8 @@ class Trainer:
         check_run_inputs(cfg.data, run_dir, restored.step if restored else None, is_main)
         if is_main:  # only a config that builds (task, mesh, shardings) and restores (the
             # recipe may change: spmd.loop.recipe) replaces the run's
-            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+            with self._held():
+                (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if restored is not None:
             state, start = fill_missing(rt, restored), restored.step
             events.emit("restored", step=start, source=restored.source, detail=restored.detail,
@@ -237,7 +253,8 @@ class Trainer:
             return self._already_finished(start, is_main, events, checkpointer)
 
         if is_main and restored is not None:  # steps after the restored one were lost
-            replayed = drop_records_after(run_dir / "metrics.jsonl", start)
+            with self._held():
+                replayed = drop_records_after(run_dir / "metrics.jsonl", start)
             if replayed:
                 log.info("moved %d metrics records of steps after the restored step %d (they "
                          "are trained again) to metrics.replayed.jsonl", replayed, start)
@@ -251,8 +268,11 @@ class Trainer:
         try:
             for hook in hooks:
                 hook.start(info)
+            self._phase("the compilation")
             compiled, seconds = rt.compile_train_step()
             events.emit("compiled", seconds=round(seconds, 3))
+            if self._early is not None:  # training starts: a signal now is the vote's
+                self._early.disarm()
             clock.lap(start)  # compile time is not step time
             self._hang.start(start)
             info, stopped = self._loop(compiled, rt, info, hooks)
@@ -317,6 +337,8 @@ class Trainer:
         compiled; says so, records the end for `spmd report`, exits OK (every rank restored
         the same step, so all return here together)."""
         total = self.cfg.train.steps
+        if self._early is not None:  # finished: a signal now changes nothing (status 0)
+            self._early.disarm()
         if is_main:
             state = (f"already finished at step {step} (train.steps={total})" if step == total
                      else f"is already at step {step}, past train.steps={total}")
@@ -326,6 +348,15 @@ class Trainer:
         events.emit("finished", step=step, reason="nothing to do: train.steps reached before")
         self.exit_code = ExitCode.OK
         return self.exit_code
+
+    def _phase(self, what: str) -> None:
+        """What this rank does now, for the line of a stop before the first step."""
+        if self._early is not None:
+            self._early.phase = what
+
+    def _held(self) -> contextlib.AbstractContextManager:
+        """A local write a stop before the first step waits for (spmd.loop.early_stop)."""
+        return self._early.held() if self._early is not None else contextlib.nullcontext()
 
     @staticmethod
     def _end(step: int, stopped: Stopped | None, events: EventLog) -> int:
