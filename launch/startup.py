@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -92,10 +93,49 @@ def _no_jax_preemption_notifier(jax: Any) -> None:
         pass  # a JAX without that option has no notifier to turn off
 
 
-def _watch_preemption(env: LaunchEnv | None) -> None:
+def _watch_preemption(env: LaunchEnv | None) -> PreemptionWatcher | None:
     """Install (or put back) the process's preemption watcher; main thread only."""
     if threading.current_thread() is threading.main_thread():
-        PreemptionWatcher.install(env=env)
+        return PreemptionWatcher.install(env=env)
+    return None
+
+
+class _StopWhileStarting:
+    """A preemption signal while bootstrap runs ends this rank at once with status 75.
+
+    Until jax.distributed is up no rank can tell the others (spmd.comm.job_failure needs
+    its key-value store), and bootstrap may wait minutes for its peers (MPI_Init, the
+    coordinator, initialize): a peer that died of the same signal before it could catch it
+    would keep this one waiting until launch.init_timeout_s. Nothing exists to save yet, so
+    this rank ends (the others got the same signal from the scheduler or `spmd run`; one
+    that did not fails its own wait, naming this rank). After `done()`, the trainer's
+    early stop (spmd.loop.early_stop) acts on the signal instead, for every rank.
+    """
+
+    def __init__(self, watcher: PreemptionWatcher):
+        self.watcher, self.who = watcher, f"this rank (pid {os.getpid()})"
+        self._lock = threading.Lock()
+        self._done = False
+        threading.Thread(target=self._run, daemon=True, name="spmd-start-stop").start()
+
+    def done(self) -> None:
+        with self._lock:
+            self._done = True
+
+    def _run(self) -> None:
+        while not self.watcher.event.wait(0.25):
+            if self._done:
+                return
+        with self._lock:
+            if self._done or self.watcher.signum is None:
+                return
+            name = signal.Signals(self.watcher.signum).name
+            print(f"spmd: {self.who}: {name} received while starting (before jax.distributed "
+                  f"was up): nothing to save; exiting {int(ExitCode.PREEMPTED)} (preempted: "
+                  "requeue, and the run resumes from its last checkpoint)", file=sys.stderr,
+                  flush=True)
+            watchdog.leave_exit_mark()  # ended on its own: its peers must not name it lost
+            os._exit(ExitCode.PREEMPTED)
 
 
 def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0, *,
@@ -111,25 +151,31 @@ def bootstrap(init_timeout_s: float = 300.0, heartbeat_timeout_s: float = 100.0,
     """
     if _booted:  # once per process: jax.distributed cannot be initialized twice
         return _booted[0]
-    if watch_preemption:
-        _watch_preemption(None)  # first: a signal from here on is the run's to act on
-    environ = os.environ if environ is None else environ
-    comm = mpi.world(environ)
-    if comm is not None:  # after MPI_Init: a peer's exit must not kill this rank at its own
-        ignore_at_exit()
-    env = resolve_launch_env(environ, comm, timeout_s=init_timeout_s)
-    watchdog.watch_launcher(environ, env.who)  # `spmd run` gone -> this rank ends (<= 1 s)
-    device_plan = devices.plan(env, environ)
-    addr, source = coordinator.choose(env, comm, environ, init_timeout_s)
-    env = replace(env, coordinator=addr, sources={**env.sources, "coordinator": source})
-    devices.apply(device_plan, environ)
-    if watch_preemption:
-        _watch_preemption(env)  # the watcher names this rank from here on
-    if comm is not None and env.size > 1 and comm.Get_size() == env.size:
-        _watch_local_peers(env, comm, init_timeout_s)
-    if env.size > 1:
-        _initialize(env, device_plan.local_device_ids, init_timeout_s, heartbeat_timeout_s,
-                    shutdown_timeout_s or init_timeout_s, watch_preemption)
+    watcher = _watch_preemption(None) if watch_preemption else None  # first of all
+    starting = _StopWhileStarting(watcher) if watcher is not None else None
+    try:
+        environ = os.environ if environ is None else environ
+        comm = mpi.world(environ)
+        if comm is not None:  # after MPI_Init: a peer's exit must not kill this rank at its own
+            ignore_at_exit()
+        env = resolve_launch_env(environ, comm, timeout_s=init_timeout_s)
+        watchdog.watch_launcher(environ, env.who)  # `spmd run` gone -> this rank ends (<= 1 s)
+        device_plan = devices.plan(env, environ)
+        addr, source = coordinator.choose(env, comm, environ, init_timeout_s)
+        env = replace(env, coordinator=addr, sources={**env.sources, "coordinator": source})
+        devices.apply(device_plan, environ)
+        if watch_preemption:
+            _watch_preemption(env)  # the watcher names this rank from here on
+        if starting is not None:
+            starting.who = env.who
+        if comm is not None and env.size > 1 and comm.Get_size() == env.size:
+            _watch_local_peers(env, comm, init_timeout_s)
+        if env.size > 1:
+            _initialize(env, device_plan.local_device_ids, init_timeout_s, heartbeat_timeout_s,
+                        shutdown_timeout_s or init_timeout_s, watch_preemption)
+    finally:  # from here on the trainer tells every rank (its early stop)
+        if starting is not None:
+            starting.done()
     _booted.append(env)
     return env
 

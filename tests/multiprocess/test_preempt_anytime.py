@@ -9,6 +9,8 @@ processes: `spmd run -n 2` of the tiny MLP whose rank 0 prepares its data for 15
 - SIGTERM to `spmd run` half a second after it starts: 75 with a line, not a silent 143.
 - SIGTERM to `spmd run` just after it started the ranks (they are importing, not yet
   watching for preemption: spmd.cli.early_signal keeps the signal for them): 75.
+- SIGUSR1 to rank 1 alone while rank 0 prepares: rank 0, which never saw a signal, ends
+  too (no rank waits for a collective that will not come), with 75.
 
 The jobs run side by side, each with its own $TMPDIR: `spmd run` leaves no temporary folder.
 """
@@ -27,7 +29,7 @@ from spmd.errors import ExitCode
 from tests.helpers.checkpoint_worker import REPO, _env, events, train, train_cmd
 from tests.helpers.env import side_by_side
 from tests.helpers.slow_prepare_task import ENV
-from tests.multiprocess.test_launch_run import need_mpiexec
+from tests.multiprocess.test_launch_run import need_mpiexec, rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -118,12 +120,29 @@ def sigterm_as_the_ranks_start(tmp_path: Path) -> dict:
                 stopped=[e["event"] for e in events(run_dir)])
 
 
+def sigusr1_to_one_rank_during_prepare(tmp_path: Path) -> dict:
+    run_dir, tmp = tmp_path / "one", tmp_path / "tmp-one"
+    proc, log = start(run_dir, tmp, 15)
+    try:
+        wait_until(lambda: preparing(run_dir), 120, "rank 0 preparing (2 s in)", proc, log)
+        sent = time.monotonic()
+        os.kill(rank_pids(run_dir)[1], signal.SIGUSR1)
+        code = proc.wait(timeout=60)
+        seconds = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return dict(code=code, seconds=seconds, out=log.read_text(), tmp=tmp)
+
+
 def test_sigterm_during_prepare_or_at_the_first_moment_exits_75_and_the_rerun_trains(
         tmp_path):
     need_mpiexec()
-    during, early, starting = side_by_side(lambda: sigterm_during_prepare(tmp_path),
-                                           lambda: sigterm_at_half_a_second(tmp_path),
-                                           lambda: sigterm_as_the_ranks_start(tmp_path))
+    during, early, starting, one = side_by_side(
+        lambda: sigterm_during_prepare(tmp_path), lambda: sigterm_at_half_a_second(tmp_path),
+        lambda: sigterm_as_the_ranks_start(tmp_path),
+        lambda: sigusr1_to_one_rank_during_prepare(tmp_path))
 
     out = during["out"]
     assert during["code"] == ExitCode.PREEMPTED, out[-6000:]
@@ -148,5 +167,10 @@ def test_sigterm_during_prepare_or_at_the_first_moment_exits_75_and_the_rerun_tr
     assert ("SIGTERM received by rank" in starting["out"]
             or "ended by SIGTERM while starting" in starting["out"]), starting["out"][-4000:]
 
-    for tmp in (during["tmp"], early["tmp"], starting["tmp"]):
+    assert one["code"] == ExitCode.PREEMPTED, one["out"][-6000:]
+    assert one["seconds"] < 10, f"{one['seconds']:.1f} s\n{one['out'][-4000:]}"
+    assert "SIGUSR1 received by rank 1" in one["out"], one["out"][-4000:]
+    assert "ending rank 0" in one["out"], one["out"][-4000:]
+
+    for tmp in (during["tmp"], early["tmp"], starting["tmp"], one["tmp"]):
         assert leftovers(tmp) == [], (tmp, os.listdir(tmp))
