@@ -494,14 +494,14 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
     forwarded = int(ending["forwarded"]) if "forwarded" in ending else None
     statuses = rank_statuses(folder)
     decided = job_status(statuses, args.n, forwarded)
-    if decided is not None:  # the ranks' own statuses, not the launcher's (Hydra ORs them)
-        code = decided
     if decided == ExitCode.PREEMPTED and forwarded is not None and (
             killed := statuses.count(128 + forwarded)):
         print(f"spmd run: {killed} of {args.n} ranks ended by {signal.Signals(forwarded).name} "
               "while starting, before they could save anything: preempted, exiting "
               f"{int(ExitCode.PREEMPTED)} (requeue the job; the run resumes from its last "
               "checkpoint)", file=sys.stderr, flush=True)
+    if decided is not None:  # the ranks' own statuses, not the launcher's (Hydra ORs them)
+        code = decided
     elif (code != ExitCode.PREEMPTED and run_dir is not None
             and preempted_ranks(run_dir, events_before) >= args.n):
         # every rank saved and stopped; Open MPI's mpirun, which ORs nothing, says 0 or 1

@@ -32,6 +32,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from spmd.comm.job_failure import announce, end_process
 from spmd.errors import ExitCode
@@ -48,6 +49,7 @@ class EarlyStop:
     def __init__(self, watcher: PreemptionWatcher, env: LaunchEnv):
         self.watcher, self.env = watcher, env
         self.on_end: list[Callable[[], None]] = []
+        self.events: Any = None   # the run's EventLog once it has one: the `preempted` record
         self.phase = "start-up"   # what the rank is doing, for the line it logs
         self._lock = threading.RLock()
         self._armed = True
@@ -71,12 +73,24 @@ class EarlyStop:
             self._armed = False
             self.on_end = []  # the trainer's own end releases them from here on
 
-    def before_end(self, *_: object) -> None:
-        """Another rank ended the job (its FailureWatch calls this): let a held write
-        finish, release what `on_end` names."""
+    def before_end(self, failure: Any = None) -> None:
+        """Another rank ended the job (its FailureWatch calls this with its `Failure`): let
+        a held write finish, record a preemption, release what `on_end` names."""
         with self._lock:
+            if self._armed and getattr(failure, "kind", None) == "Preempted":
+                self._record(str(failure.error))
             self._armed = False
             self._release()
+
+    def _record(self, reason: str) -> None:
+        """This rank's `preempted` record (before any step: `spmd report` names the end)."""
+        if self.events is None:
+            return
+        try:
+            self.events.record("preempted", step=None, reason=reason[:500],
+                               exit_code=int(ExitCode.PREEMPTED), before_training=True)
+        except Exception as e:
+            log.warning("%s: could not record the preemption: %s", self.env.who, e)
 
     def _release(self) -> None:
         callbacks, self.on_end = self.on_end, []
@@ -100,6 +114,7 @@ class EarlyStop:
                       f"(exit {int(ExitCode.PREEMPTED)}: requeue, and the run resumes from its "
                       "last checkpoint)")
             log.warning("%s", reason)
+            self._record(reason)
             self._release()
             announce(self.env, reason, ExitCode.PREEMPTED, "Preempted")
             end_process(ExitCode.PREEMPTED, self.env)

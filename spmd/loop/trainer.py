@@ -147,6 +147,7 @@ class Trainer:
             if cfg.run.compilation_cache is not None:
                 use_compilation_cache(cfg.run.compilation_cache)
             events = EventLog(run_dir / "events.jsonl", env.rank)
+            early.events = events  # a stop before the first step records `preempted`
             events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
                         restart_count=env.restart_count, job_id=env.job_id, task=cfg.task,
                         nodes=env.num_nodes, process_start=round(process_start, 3),

@@ -152,6 +152,7 @@ def test_sigterm_during_prepare_or_at_the_first_moment_exits_75_and_the_rerun_tr
     assert "SIGTERM caught" not in out  # JAX's notifier no longer takes it
     assert "started" in during["stopped"], during["stopped"]
     assert not {"compiled", "finished"} & set(during["stopped"]), during["stopped"]
+    assert during["stopped"].count("preempted") == 2, during["stopped"]  # for spmd report
     assert during["committed"] == []
     rerun = during["rerun"]
     assert rerun.returncode == 0, rerun.stderr[-6000:]
