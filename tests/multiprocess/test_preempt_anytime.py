@@ -7,6 +7,8 @@ processes: `spmd run -n 2` of the tiny MLP whose rank 0 prepares its data for 15
   rerun trains to the end. Before issue 38, JAX's own preemption notifier took the signal
   and the job trained to the end with status 0.
 - SIGTERM to `spmd run` half a second after it starts: 75 with a line, not a silent 143.
+  (Half a second, or as soon as its Python catches SIGTERM if that is later on a loaded
+  machine: before its first instruction no program can act on a signal.)
 - SIGTERM to `spmd run` just after it started the ranks (they are importing, not yet
   watching for preemption: spmd.cli.early_signal keeps the signal for them): 75.
 - SIGUSR1 to rank 1 alone while rank 0 prepares: rank 0, which never saw a signal, ends
@@ -87,11 +89,24 @@ def sigterm_during_prepare(tmp_path: Path) -> dict:
                 stopped=stopped, committed=committed)
 
 
+def catching(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines()
+                 if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
 def sigterm_at_half_a_second(tmp_path: Path) -> dict:
     run_dir, tmp = tmp_path / "early", tmp_path / "tmp-early"
     proc, log = start(run_dir, tmp, 0)
     try:
         time.sleep(0.5)
+        wait_until(lambda: catching(proc.pid, signal.SIGTERM), 30, "a SIGTERM handler", proc,
+                   log)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
