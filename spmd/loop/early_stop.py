@@ -8,8 +8,10 @@ inside `Task.prepare` or a compile cannot vote anyway.
 
 How (`EarlyStop(watcher, env)`, armed from bootstrap's end to `disarm()` before the first
 step): a daemon thread waits on the process's `PreemptionWatcher.event` (set by its signal
-handler, which only records). When it is set while armed, the thread logs one line, runs
-the `on_end` callbacks (the lease's release), announces status 75 to the job
+handler, which only records). When it is set while armed, the thread logs one line,
+records a `preempted` event (`before_training`, once the run has its event log: `spmd
+report` names the end), runs the `on_end` callbacks (the lease's release), announces
+status 75 to the job
 (`spmd.comm.job_failure.announce`: every other rank's FailureWatch ends it with the same
 status, so ranks that did not see the signal end too, and none waits for a collective
 that will not come), and ends this rank with `end_process(75)`.
@@ -23,6 +25,8 @@ Invariants
   blocks until the process is gone.
 - A signal received before `start` (between bootstrap's first line and here) is acted on at
   once by `start`.
+- `Task.prepare` may be cut short this way, as by a kill at the end of a grace period: it
+  must be safe to run again (write to a temporary name, rename when complete).
 """
 
 from __future__ import annotations
