@@ -15,12 +15,13 @@ refused with one line naming the holder (status 2); rank 0 still takes the lease
 Each rank runs behind a shim (spmd.launch.rank_shim) that turns a death by signal into exit
 status 128+S, so Hydra's proxy does not SIGKILL the other ranks and they can name the lost one.
 
-The exit status is the table's (spmd.errors.ExitCode), decided from the ranks' own statuses,
-which the shims leave in this process's temporary folder (SPMD_RUN_TMPDIR, also where the
-ranks keep their exit marks), not from what the launcher makes of them (Hydra ORs them:
-69 | 137 = 205): see `job_status`. The folder is removed on every way out that still runs
-Python. A preemption signal that reaches this process before the ranks are started (from
-its first moment on: spmd.cli.early_signal) exits 75 at once, with a line: nothing was run.
+The exit status of `spmd train`'s ranks is the table's (spmd.errors.ExitCode), decided
+from the ranks' own statuses, which the shims leave in this process's temporary folder
+(SPMD_RUN_TMPDIR, also where the ranks keep their exit marks), not from what the launcher
+makes of them (Hydra ORs them: 69 | 137 = 205): see `job_status`. The folder is removed on
+every way out that still runs Python. A preemption signal that reaches this process before
+the ranks are started (from its first moment on: spmd.cli.early_signal) exits 75 at once,
+with a line: nothing was run.
 When the ranks fail, the ERROR lines they wrote to run.dir/logs during this job are repeated
 at the end, one per line, after Hydra's own report.
 
@@ -473,8 +474,9 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
                     kill_job(proc)
                     proc.wait()
                     # ranks that saved and stopped before the kill still name the status
-                    decided = job_status(rank_statuses(folder), args.n,
-                                         int(ending["forwarded"]))
+                    decided = (job_status(rank_statuses(folder), args.n,
+                                          int(ending["forwarded"]))
+                               if args.entry == "train" else None)
                     return decided if decided is not None else 128 + int(ending["signal"])
             except KeyboardInterrupt:  # a handler raced us; keep waiting for the ranks
                 continue
@@ -491,9 +493,12 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
     if code != 0 and run_dir is not None and (line := hang_line(run_dir, started)):
         print(f"spmd run: {line}", file=sys.stderr, flush=True)
         return ExitCode.HUNG
+    # the table is `spmd train`'s (other entries keep the launcher's status); a rank of it
+    # that died of the forwarded signal was still starting (it acts on the signal from its
+    # CLI's first moment on)
     forwarded = int(ending["forwarded"]) if "forwarded" in ending else None
     statuses = rank_statuses(folder)
-    decided = job_status(statuses, args.n, forwarded)
+    decided = job_status(statuses, args.n, forwarded) if args.entry == "train" else None
     if decided == ExitCode.PREEMPTED and forwarded is not None and (
             killed := statuses.count(128 + forwarded)):
         print(f"spmd run: {killed} of {args.n} ranks ended by {signal.Signals(forwarded).name} "
