@@ -13,6 +13,9 @@ processes: `spmd run -n 2` of the tiny MLP whose rank 0 prepares its data for 15
   watching for preemption: spmd.cli.early_signal keeps the signal for them): 75.
 - SIGUSR1 to rank 1 alone while rank 0 prepares: rank 0, which never saw a signal, ends
   too (no rank waits for a collective that will not come), with 75.
+- Then, on the same run (trained to step 3 by the rerun), SIGTERM during a restore (rank
+  0's listing of the persistent tier made slow by SPMD_CKPT_TEST_SLOW_LISTING): 75 at once,
+  nothing saved or dropped.
 
 The jobs run side by side, each with its own $TMPDIR: `spmd run` leaves no temporary folder.
 """
@@ -30,6 +33,7 @@ import pytest
 from spmd.errors import ExitCode
 from tests.helpers.checkpoint_worker import REPO, _env, events, train, train_cmd
 from tests.helpers.env import side_by_side
+from tests.helpers.fault_injection import fault_env
 from tests.helpers.slow_prepare_task import ENV
 from tests.multiprocess.test_launch_run import need_mpiexec, rank_pids
 
@@ -39,14 +43,15 @@ TASK = "task=tests.helpers.slow_prepare_task:SlowPrepareTask"
 STEPS = "train.steps=3"
 
 
-def start(run_dir: Path, tmp: Path, prepare_s: float) -> tuple[subprocess.Popen, Path]:
+def start(run_dir: Path, tmp: Path, prepare_s: float, *overrides: str,
+          **env: str) -> tuple[subprocess.Popen, Path]:
     """`spmd run -n 2` in the background; its output in a file, its temporaries in `tmp`."""
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp.parent / f"{tmp.name}.out"
     with open(log, "w") as out:
-        proc = subprocess.Popen(train_cmd(2, run_dir, TASK, STEPS), stdout=out,
-                                stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                env=_env(1, TMPDIR=str(tmp), **{ENV: str(prepare_s)}))
+        proc = subprocess.Popen(train_cmd(2, run_dir, TASK, *(overrides or (STEPS,))),
+                                stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                env=_env(1, TMPDIR=str(tmp), **{ENV: str(prepare_s)}, **env))
     return proc, log
 
 
@@ -85,8 +90,9 @@ def sigterm_during_prepare(tmp_path: Path) -> dict:
     out, stopped = log.read_text(), [e["event"] for e in events(run_dir)]
     committed = list((run_dir / "local").glob("*/rank*/COMMITTED"))
     rerun = train(2, run_dir, TASK, STEPS, devices=1, timeout=300, TMPDIR=str(tmp))
+    restore = sigterm_during_restore(run_dir, tmp) if rerun.returncode == 0 else None
     return dict(code=code, seconds=seconds, out=out, run_dir=run_dir, rerun=rerun, tmp=tmp,
-                stopped=stopped, committed=committed)
+                stopped=stopped, committed=committed, restore=restore)
 
 
 def catching(pid: int, signum: int) -> bool:
@@ -151,6 +157,28 @@ def sigusr1_to_one_rank_during_prepare(tmp_path: Path) -> dict:
     return dict(code=code, seconds=seconds, out=log.read_text(), tmp=tmp)
 
 
+def sigterm_during_restore(run_dir: Path, tmp: Path) -> dict:
+    """SIGTERM while the run in `run_dir` (which has a checkpoint) is restoring."""
+    saved = sorted({e["step"] for e in events(run_dir, "saved")})
+    proc, log = start(run_dir, tmp / "restore", 0, "train.steps=6",
+                      **fault_env(slow_listing="0:30"))
+    try:  # the model is built; rank 0 now lists the persistent tier for 30 s
+        wait_until(lambda: log.read_text().count("shardings and jitted steps") >= 1, 120,
+                   "the model built", proc, log)
+        time.sleep(1)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        seconds = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    saved_after = sorted({e["step"] for e in events(run_dir, "saved")})
+    return dict(code=code, seconds=seconds, out=log.read_text(), saved=saved,
+                saved_after=saved_after, tmp=tmp / "restore")
+
+
 def test_sigterm_during_prepare_or_at_the_first_moment_exits_75_and_the_rerun_trains(
         tmp_path):
     need_mpiexec()
@@ -189,5 +217,12 @@ def test_sigterm_during_prepare_or_at_the_first_moment_exits_75_and_the_rerun_tr
     assert "SIGUSR1 received by rank 1" in one["out"], one["out"][-4000:]
     assert "ending rank 0" in one["out"], one["out"][-4000:]
 
-    for tmp in (during["tmp"], early["tmp"], starting["tmp"], one["tmp"]):
+    restore = during["restore"]
+    out = restore["out"]
+    assert restore["code"] == ExitCode.PREEMPTED, out[-6000:]
+    assert restore["seconds"] < 10, f"{restore['seconds']:.1f} s\n{out[-4000:]}"
+    assert "during the restore, before the first training step" in out, out[-4000:]
+    assert restore["saved"] and restore["saved_after"] == restore["saved"]  # nothing new
+
+    for tmp in (during["tmp"], early["tmp"], starting["tmp"], one["tmp"], restore["tmp"]):
         assert leftovers(tmp) == [], (tmp, os.listdir(tmp))
