@@ -17,6 +17,7 @@ worker. CONTRIBUTING.md says how to run each tier.
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -31,6 +32,23 @@ SYSTEM_DIRS = ("slurm", "openmpi")   # apt-get installs and the one local Slurm:
 def _test_dirs(item: pytest.Item) -> tuple[str, ...]:
     parts = Path(str(item.path)).parts
     return parts[parts.index("tests") + 1:-1] if "tests" in parts else ()
+
+
+# The longest modules (minutes each on 2 cores) start first, so that under pytest-xdist no
+# worker is left with one of them at the end while the other idles. Order only: every test
+# is independent of the others.
+LONG_FIRST = ("tests/multiprocess/test_main_job.py", "tests/unit/test_scan_remat.py",
+              "tests/multiprocess/test_examples.py", "tests/slurm/", "tests/openmpi/",
+              "tests/multiprocess/test_fno_train.py", "tests/unit/test_benchmarks.py",
+              "tests/multiprocess/test_optimizer_names.py",
+              "tests/multiprocess/test_pipeline_checkpoint.py")
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): 2 workers, or SPMD_TEST_WORKERS. Many tests start
+    2-rank jobs with timeouts, so more workers than that would only overload a small
+    machine; -n 0 runs in one process (pdb, -x on the first failure)."""
+    return int(os.environ.get("SPMD_TEST_WORKERS", min(2, os.cpu_count() or 1)))
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
@@ -48,6 +66,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             module = item.nodeid.split("::")[0]
             system = any(d in dirs for d in SYSTEM_DIRS)
             item.add_marker(pytest.mark.xdist_group("system" if system else module))
+    items.sort(key=_start_rank)   # stable: the rest keep their order
+
+
+def _start_rank(item: pytest.Item) -> int:
+    return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)),
+                len(LONG_FIRST))
 
 
 @pytest.fixture

@@ -122,7 +122,7 @@ def test_kill_9_then_resume_is_bit_identical(project):
     ("task=heatpkg.task:not_a_task", "not a subclass of spmd.Task"),
     ("model.widht=8", "unknown config key 'model.widht'; did you mean 'model.width'?"),
     ("task=heatpkg.task:Missing", "module 'heatpkg.task' has no attribute 'Missing'"),
-    ("model.width=wide", "model.width: Input should be a valid integer"),
+    ("model.width=wide", "command line: model.width=wide: Input should be a valid integer"),
 ])
 def test_bad_task_config_is_one_line(project, override, expected):
     for command in ("train", "shardings"):
