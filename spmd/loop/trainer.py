@@ -156,8 +156,10 @@ class Trainer:
             lease.start(events)  # logs the acquisition or take-over; heartbeat while training
             return self.fit(env, events)
         except SystemExit:  # a status every rank agreed on (a refused lease): no failure
-            raise
+            early.disarm()   # decided: a signal from here on (Hydra's SIGUSR1 as the other
+            raise            # ranks close) must not turn it into a preemption
         except BaseException as e:
+            early.disarm()   # the status is this error's, whatever signal comes while ending
             failed = True
             error = failure_line(e)
             if isinstance(e, SpmdError) and env.size == 1:
