@@ -50,6 +50,7 @@ FIRST_REPORT_S = 5.0      # a wait shorter than this is not worth a line
 REPORT_EVERY_S = 30.0
 PUBLISH_EVERY_S = 0.5
 POLL_S = 0.25
+STORE_GONE_GRACE_S = 5.0  # for the FailureWatch of a rank whose store went with rank 0
 LINE_CHARS = 300
 
 log = logging.getLogger("spmd.comm.prepare_wait")
@@ -126,6 +127,10 @@ class _Wait:
             text = str(e)
             if "NOT_FOUND" in text or "not found" in text.lower():
                 return None
+            # rank 0 may have announced a failure and ended once this rank acknowledged it:
+            # this rank's FailureWatch then names it and ends this rank with its status;
+            # give it that moment before saying anything less precise
+            time.sleep(STORE_GONE_GRACE_S)
             raise AgreementError(
                 f"lost the jax.distributed key-value store (served by rank 0's "
                 f"process) after {self.elapsed():.0f} s while waiting for {whom} to {WHAT}: "
