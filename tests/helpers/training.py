@@ -34,3 +34,27 @@ def runtime_for(cfg, mesh, task=None):
 
     return build_runtime(EngineSections.of(cfg), mesh, task if task is not None else
                          build_task(cfg))
+
+
+def config_losses(path, strategy: str, devices, steps: int, *overrides: str):
+    """(losses, runtime) of `steps` updates of the config at `path` under `mesh.strategy`
+    on `devices`, in this process."""
+    from spmd.config.load import load_config
+    from spmd.engine.mesh import build_mesh
+
+    cfg = load_config(path, [f"mesh.strategy={strategy}", *overrides])
+    rt = runtime_for(cfg, build_mesh(cfg.mesh, devices))
+    return train_steps(rt, steps)[0], rt
+
+
+def shardings_json(path, capsys, strategy: str) -> dict:
+    """`spmd shardings PATH mesh.strategy=STRATEGY --json`, run in this process, parsed."""
+    import argparse
+    import json
+
+    from spmd.cli import shardings_cmd
+
+    args = argparse.Namespace(config=str(path), overrides=[f"mesh.strategy={strategy}"],
+                              devices=None, json=True)
+    assert shardings_cmd.run(args) == 0
+    return json.loads(capsys.readouterr().out)

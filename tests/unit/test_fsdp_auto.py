@@ -3,7 +3,6 @@ dimension that divides (above `mesh.fsdp_min_bytes`); explicit rules win."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
@@ -12,12 +11,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from spmd.config.load import load_config
 from spmd.config.schema import MeshConfig
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import ShardingError, param, resolve_params, rules_for, state_shardings
 from spmd.sharding.fsdp import auto_fsdp_dim, with_fsdp_on
-from tests.helpers.training import runtime_for, train_steps
+from tests.helpers.training import config_losses, shardings_json
 
 MESH = {"data": 1, "stage": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1}
 
@@ -124,19 +122,8 @@ def conv_config(tmp_path):
     return path
 
 
-def conv_losses(path, strategy, devices):
-    cfg = load_config(path, [f"mesh.strategy={strategy}"])
-    rt = runtime_for(cfg, build_mesh(cfg.mesh, devices))
-    return train_steps(rt, STEPS)[0], rt
-
-
-def shardings_json(path, capsys, strategy):
-    from spmd.cli import shardings_cmd
-
-    args = argparse.Namespace(config=str(path), overrides=[f"mesh.strategy={strategy}"],
-                              devices=None, json=True)
-    assert shardings_cmd.run(args) == 0
-    return json.loads(capsys.readouterr().out)
+def conv_losses(path, strategy, devices, *overrides):
+    return config_losses(path, strategy, devices, STEPS, *overrides)
 
 
 @pytest.mark.slow

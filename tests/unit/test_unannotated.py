@@ -4,7 +4,6 @@ counted in one log line; `mesh.require_annotations: true` refuses it."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 
@@ -14,14 +13,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from spmd.config.load import load_config
 from spmd.config.schema import MeshConfig
 from spmd.engine.axis_rules import axis_rules, warn_replication
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import ShardingError, ShardingReport, resolve_params, rules_for, with_axes
 from spmd.sharding.report import unannotated_note
 from tests.helpers.plain_models import PlainConvNet, PlainConvTask
-from tests.helpers.training import runtime_for, train_steps
+from tests.helpers.training import config_losses, shardings_json
 
 CONV = {"task": "tests.helpers.plain_models:PlainConvTask", "model": {"width": 32, "grid": 16},
         "train": {"steps": 4, "batch_size": 8}, "optimizer": {"lr": 0.01},
@@ -130,18 +128,7 @@ def conv_config(tmp_path):
 
 
 def conv_losses(path, strategy, devices, *overrides):
-    cfg = load_config(path, [f"mesh.strategy={strategy}", *overrides])
-    rt = runtime_for(cfg, build_mesh(cfg.mesh, devices))
-    return train_steps(rt, STEPS)[0], rt
-
-
-def shardings_json(path, capsys, strategy):
-    from spmd.cli import shardings_cmd
-
-    args = argparse.Namespace(config=str(path), overrides=[f"mesh.strategy={strategy}"],
-                              devices=None, json=True)
-    assert shardings_cmd.run(args) == 0
-    return json.loads(capsys.readouterr().out)
+    return config_losses(path, strategy, devices, STEPS, *overrides)
 
 
 @pytest.mark.slow
