@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,22 +78,32 @@ def leftovers(tmp: Path) -> list[str]:
 def sigterm_during_prepare(tmp_path: Path) -> dict:
     run_dir, tmp = tmp_path / "prepare", tmp_path / "tmp-prepare"
     proc, log = start(run_dir, tmp, 15)
-    try:
-        wait_until(lambda: preparing(run_dir), 120, "rank 0 preparing (2 s in)", proc, log)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-        seconds = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    code, seconds = signal_when(
+        proc, lambda: wait_until(lambda: preparing(run_dir), 120, "rank 0 preparing (2 s in)",
+                                 proc, log),
+        lambda: proc.send_signal(signal.SIGTERM))
     out, stopped = log.read_text(), [e["event"] for e in events(run_dir)]
     committed = list((run_dir / "local").glob("*/rank*/COMMITTED"))
     rerun = train(2, run_dir, TASK, STEPS, devices=1, timeout=300, TMPDIR=str(tmp))
     restore = sigterm_during_restore(run_dir, tmp) if rerun.returncode == 0 else None
     return dict(code=code, seconds=seconds, out=out, run_dir=run_dir, rerun=rerun, tmp=tmp,
                 stopped=stopped, committed=committed, restore=restore)
+
+
+def signal_when(proc: subprocess.Popen, ready: Callable[[], None], send: Callable[[], None],
+                timeout: float = 60) -> tuple[int, float]:
+    """`ready()`, then `send()` a signal and wait for `proc`: its status and the seconds from
+    the signal to its end. `proc` is killed if it still runs after that (or a failure)."""
+    try:
+        ready()
+        sent = time.monotonic()
+        send()
+        code = proc.wait(timeout=timeout)
+        return code, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def catching(pid: int, signum: int) -> bool:
@@ -109,34 +120,24 @@ def catching(pid: int, signum: int) -> bool:
 def sigterm_at_half_a_second(tmp_path: Path) -> dict:
     run_dir, tmp = tmp_path / "early", tmp_path / "tmp-early"
     proc, log = start(run_dir, tmp, 0)
-    try:
+    def ready() -> None:
         time.sleep(0.5)
         wait_until(lambda: catching(proc.pid, signal.SIGTERM), 30, "a SIGTERM handler", proc,
                    log)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-        seconds = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    code, seconds = signal_when(proc, ready, lambda: proc.send_signal(signal.SIGTERM))
     return dict(code=code, seconds=seconds, out=log.read_text(), tmp=tmp)
 
 
 def sigterm_as_the_ranks_start(tmp_path: Path) -> dict:
     run_dir, tmp = tmp_path / "starting", tmp_path / "tmp-starting"
     proc, log = start(run_dir, tmp, 0)
-    try:
+    def ready() -> None:
         wait_until(lambda: "spmd run: 2 ranks" in log.read_text(), 60, "the ranks' start",
                    proc, log)
         time.sleep(0.3)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    code, _ = signal_when(proc, ready, lambda: proc.send_signal(signal.SIGTERM), timeout=90)
     return dict(code=code, out=log.read_text(), tmp=tmp,
                 stopped=[e["event"] for e in events(run_dir)])
 
@@ -144,16 +145,10 @@ def sigterm_as_the_ranks_start(tmp_path: Path) -> dict:
 def sigusr1_to_one_rank_during_prepare(tmp_path: Path) -> dict:
     run_dir, tmp = tmp_path / "one", tmp_path / "tmp-one"
     proc, log = start(run_dir, tmp, 15)
-    try:
-        wait_until(lambda: preparing(run_dir), 120, "rank 0 preparing (2 s in)", proc, log)
-        sent = time.monotonic()
-        os.kill(rank_pids(run_dir)[1], signal.SIGUSR1)
-        code = proc.wait(timeout=60)
-        seconds = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    code, seconds = signal_when(
+        proc, lambda: wait_until(lambda: preparing(run_dir), 120, "rank 0 preparing (2 s in)",
+                                 proc, log),
+        lambda: os.kill(rank_pids(run_dir)[1], signal.SIGUSR1))
     return dict(code=code, seconds=seconds, out=log.read_text(), tmp=tmp)
 
 
@@ -162,18 +157,12 @@ def sigterm_during_restore(run_dir: Path, tmp: Path) -> dict:
     saved = sorted({e["step"] for e in events(run_dir, "saved")})
     proc, log = start(run_dir, tmp / "restore", 0, "train.steps=6",
                       **fault_env(slow_listing="0:30"))
-    try:  # the model is built; rank 0 now lists the persistent tier for 30 s
+    def ready() -> None:  # the model is built; rank 0 now lists the persistent tier for 30 s
         wait_until(lambda: log.read_text().count("shardings and jitted steps") >= 1, 120,
                    "the model built", proc, log)
         time.sleep(1)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-        seconds = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    code, seconds = signal_when(proc, ready, lambda: proc.send_signal(signal.SIGTERM))
     saved_after = sorted({e["step"] for e in events(run_dir, "saved")})
     return dict(code=code, seconds=seconds, out=log.read_text(), saved=saved,
                 saved_after=saved_after, tmp=tmp / "restore")
