@@ -4,8 +4,8 @@ the two tiers of the suite.
 Helpers live in the importable package `tests.helpers`; this file holds only fixtures and the
 `slow` marking. The fast tier, `pytest -m "not slow"`, is the edit loop (in-process, a few
 minutes on 2 cores); the full suite, which .ci/run runs, adds every test marked `slow`:
-- every test under tests/multiprocess, tests/slurm and tests/openmpi (real ranks, real
-  schedulers), marked here by directory;
+- every test under tests/multiprocess, tests/slurm, tests/openmpi and tests/multinode (real
+  ranks, real schedulers, namespace nodes), marked here by directory;
 - every in-process training test: those that use the `keep_signal_handlers` fixture (a run
   in the test process installs its preemption handlers), marked here by that fixture;
 - any other test that takes more than a few seconds, marked in its own module.
@@ -25,8 +25,9 @@ import pytest  # noqa: E402
 
 import tests.helpers.env  # noqa: F401  (before anything imports jax: 8 CPU devices, one cache)
 
-SLOW_DIRS = ("multiprocess", "slurm", "openmpi")
-SYSTEM_DIRS = ("slurm", "openmpi")   # apt-get installs and the one local Slurm: one worker
+SLOW_DIRS = ("multiprocess", "slurm", "openmpi", "multinode")
+# apt-get installs, the one local Slurm and the multi-node namespace cluster: one worker
+SYSTEM_DIRS = ("slurm", "openmpi", "multinode")
 
 
 def _test_dirs(item: pytest.Item) -> tuple[str, ...]:
@@ -52,8 +53,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the slow tier (multi-process directories and in-process training) and group the
     tests for pytest-xdist's `--dist loadgroup` (module doc)."""
