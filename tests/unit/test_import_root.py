@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spmd.sharding",),                        # logical axes -> mesh axes
     ("spmd.optim",),                           # optimizer:, schedule: and their builders
     ("spmd.models",),                          # reference models
+    ("spmd.scores",),                          # scores any task uses (lat-weighted RMSE)
     ("spmd.data",),                            # sources and the batch feed; data:
     ("spmd.tasks",),                           # model + loss + data, the user's plug-in point
     ("spmd.rundir",),                          # lease, metrics, plots; run:
