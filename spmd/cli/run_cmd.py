@@ -18,10 +18,12 @@ status 128+S, so Hydra's proxy does not SIGKILL the other ranks and they can nam
 The exit status of `spmd train`'s ranks is the table's (spmd.errors.ExitCode), decided
 from the ranks' own statuses, which the shims leave in this process's temporary folder
 (SPMD_RUN_TMPDIR, also where the ranks keep their exit marks), not from what the launcher
-makes of them (Hydra ORs them: 69 | 137 = 205): see `job_status`. The folder is removed on
-every way out that still runs Python. A preemption signal that reaches this process before
-the ranks are started (from its first moment on: spmd.cli.early_signal) exits 75 at once,
-with a line: nothing was run.
+makes of them (Hydra ORs them: 69 | 137 = 205): see `job_status`. Once every rank has left
+its status, mpiexec is given OUTLIVE_S to end, then ended (Open MPI's mpirun, signalled
+itself by a whole-job SIGTERM, would wait out its odls_base_sigkill_timeout). The folder is
+removed on every way out that still runs Python. A preemption signal that reaches this
+process before the ranks are started (from its first moment on: spmd.cli.early_signal) exits
+75 at once, with a line: nothing was run.
 When the ranks fail, the ERROR lines they wrote to run.dir/logs during this job are repeated
 at the end, one per line, after Hydra's own report.
 
@@ -66,6 +68,11 @@ PREEMPTING = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # a rank's watche
 KILL_WAIT_S = 30.0       # launch.kill_wait_s's default, for entries other than train
 DEFAULT_SAVE_S = 600.0   # checkpoint.timeout_s's default, for entries other than train
 DRAIN_S = 5.0            # how long the ranks' output may still come after mpiexec ended
+# How long mpiexec may outlive the last rank's status: Open MPI's mpirun, itself signalled (a
+# whole-job SIGTERM: scancel, a node's shutdown), waits out odls_base_sigkill_timeout (the
+# save's time) after its ranks have saved and exited; it is then ended, and the ranks'
+# statuses are the job's
+OUTLIVE_S = 5.0
 # Per-rank variables an outer launcher may have left; inherited, they would make every local
 # rank claim the same identity.
 _STALE_PREFIXES = ("SLURM_STEP_", "JSM_NAMESPACE_", "PALS_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_",
@@ -344,14 +351,17 @@ def rank_statuses(folder: Path) -> list[int]:
     return found
 
 
-def job_status(statuses: list[int], n: int, signalled: int | None = None) -> int | None:
+def job_status(statuses: list[int], n: int, signalled: int | tuple[int, ...] | None = None
+               ) -> int | None:
     """The job's status in the table (ExitCode) from its `n` ranks' own `statuses`; None
     when some rank left none (its shim was killed: the launcher's status stands).
 
     - every rank 0: 0; every non-zero status the same: that one;
-    - `signalled` (the signal this process forwarded to the ranks) and each rank either
-      stopped for it (75), died of it before it could act on it (128+S: its first moment,
-      before Python ran) or finished (0: the run was at its end): PREEMPTED;
+    - `signalled` (the signal this process forwarded to the ranks, or several: the one it
+      received too, which a whole-job signal also sends every rank directly) a preemption
+      signal, and each rank either stopped for it (75), died of one of them before it could
+      act on it (128+S: its first moment, before Python ran) or finished (0: the run was at
+      its end): PREEMPTED;
     - else a status of the table other than ORPHANED (the cause; the others follow it: a
       failure's, a hang's), the most frequent one; else ORPHANED when a rank was lost (died
       by a signal, 128+S) or a survivor named it so.
@@ -364,13 +374,20 @@ def job_status(statuses: list[int], n: int, signalled: int | None = None) -> int
     table = {int(c) for c in ExitCode}
     if len(set(failed)) == 1 and (failed[0] <= 128 or failed[0] in table):
         return failed[0]   # (130: Ctrl-C, which the ranks take as KeyboardInterrupt)
-    if signalled in PREEMPTING and all(c in (ExitCode.PREEMPTED, 128 + signalled)
-                                       for c in failed):
+    sent = (signalled,) if isinstance(signalled, int) else tuple(signalled or ())
+    if any(s in PREEMPTING for s in sent) and all(
+            c == ExitCode.PREEMPTED or c - 128 in sent for c in failed):
         return ExitCode.PREEMPTED
     causes = [c for c in failed if c != ExitCode.ORPHANED and c <= 128]
     if causes:
         return max(sorted(set(causes)), key=causes.count)
     return ExitCode.ORPHANED
+
+
+def received(ending: dict[str, float]) -> tuple[int, ...]:
+    """The signals the ranks may have had from this job's ending: the one forwarded to them,
+    and the one this process received (a whole-job signal reaches every rank directly)."""
+    return tuple(int(ending[k]) for k in ("forwarded", "signal") if k in ending)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -458,14 +475,29 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     if early_signal.HANDLER.received is not None:  # came while the ranks were being started
         forward(early_signal.HANDLER.received, None)
+    all_ended: float | None = None   # when every rank had left its status
     try:
         while True:
             try:
                 code = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                if "deadline" in ending and time.monotonic() >= ending["deadline"]:
-                    print(f"spmd run: the ranks did not stop within {save_s + kill_wait_s:.0f} s"
+                now = time.monotonic()
+                if all_ended is None and len(rank_statuses(folder)) >= args.n:
+                    all_ended = now
+                if all_ended is not None and now - all_ended >= OUTLIVE_S:
+                    # every rank has ended, and mpiexec lives on (Open MPI's mpirun, itself
+                    # signalled, waits out odls_base_sigkill_timeout): end it (and only it:
+                    # nothing of the job is left below it); the ranks' statuses decide
+                    kill_job(proc)
+                    proc.wait()
+                    statuses = rank_statuses(folder)
+                    code = next((c for c in statuses if c), 0)
+                    break
+                if "deadline" in ending and now >= ending["deadline"]:
+                    stopped = len(rank_statuses(folder))
+                    print(f"spmd run: {args.n - stopped} of {args.n} ranks did not stop within "
+                          f"{save_s + kill_wait_s:.0f} s"
                           f" of {signal.Signals(int(ending['signal'])).name}"
                           f" (checkpoint.timeout_s={save_s:g} + launch.kill_wait_s="
                           f"{kill_wait_s:g}): killing "
@@ -474,8 +506,7 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
                     kill_job(proc)
                     proc.wait()
                     # ranks that saved and stopped before the kill still name the status
-                    decided = (job_status(rank_statuses(folder), args.n,
-                                          int(ending["forwarded"]))
+                    decided = (job_status(rank_statuses(folder), args.n, received(ending))
                                if args.entry == "train" else None)
                     return decided if decided is not None else 128 + int(ending["signal"])
             except KeyboardInterrupt:  # a handler raced us; keep waiting for the ranks
@@ -485,7 +516,7 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
             signal.signal(s, handler)
         for copier in copiers:  # the ranks' last lines before this process's own
             copier.join(timeout=DRAIN_S)
-    if code < 0:  # mpiexec itself was killed (kill -9): its ranks end with it
+    if code < 0 and all_ended is None:  # mpiexec was killed (kill -9): its ranks end with it
         print(f"spmd run: {mpiexec.name} (pid {proc.pid}) was killed by "
               f"{signal.Signals(-code).name}; its ranks end with it (their saves in flight "
               "stay uncommitted); resume from the last committed checkpoint", file=sys.stderr,
@@ -498,10 +529,12 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
     # CLI's first moment on)
     forwarded = int(ending["forwarded"]) if "forwarded" in ending else None
     statuses = rank_statuses(folder)
-    decided = job_status(statuses, args.n, forwarded) if args.entry == "train" else None
+    decided = job_status(statuses, args.n, received(ending)) if args.entry == "train" else None
     if decided == ExitCode.PREEMPTED and forwarded is not None and (
-            killed := statuses.count(128 + forwarded)):
-        print(f"spmd run: {killed} of {args.n} ranks ended by {signal.Signals(forwarded).name} "
+            killed := sum(statuses.count(128 + s) for s in set(received(ending)))):
+        names = "/".join(sorted({signal.Signals(c - 128).name for c in statuses
+                                 if c - 128 in received(ending)}))
+        print(f"spmd run: {killed} of {args.n} ranks ended by {names} "
               "while starting, before they could save anything: preempted, exiting "
               f"{int(ExitCode.PREEMPTED)} (requeue the job; the run resumes from its last "
               "checkpoint)", file=sys.stderr, flush=True)
