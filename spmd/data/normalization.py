@@ -5,6 +5,13 @@ concatenation of spmd.data.file_index), over its first `rows` records: per chann
 stored last axis) the count, mean, population standard deviation (ddof=0), minimum and
 maximum. A dataset without a channel axis has one "channel": all its values.
 
+Missing values: NaN (and +-inf) are left out, per channel: `count` is the channel's valid
+values and `missing` the ones left out (a land mask over the sea-surface temperature, say).
+A channel with no valid value at all is an error naming the dataset and the channel, so the
+statistics file, and the run's normalization.json made from it, never holds NaN; a file
+written before (a NaN mean or std) is refused with the command to rerun. Files of the older
+form (one count for every channel, no `missing`) read as before.
+
 Invariants:
 - Values are accumulated in float64, block by block (at most `BLOCK_BYTES` of float64 per
   block), and blocks and ranks are combined with the parallel formula of Chan, Golub &
@@ -84,50 +91,73 @@ def rank_rows(rows: int, rank: int, size: int) -> tuple[int, int]:
 
 @dataclass
 class _Moments:
-    """Count, mean, M2 (sum of squared deviations), min and max per channel."""
+    """Per channel: the count of valid (finite) values, their mean, M2 (sum of squared
+    deviations), min and max. A channel without values has count 0, mean 0, M2 0 and min
+    +inf, max -inf (None in JSON)."""
 
-    n: int
+    n: np.ndarray                 # int64 (channels,)
     mean: np.ndarray
     m2: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
+    missing: np.ndarray           # int64 (channels,): NaN / inf values left out
 
     @classmethod
     def empty(cls, channels: int) -> _Moments:
         zeros = np.zeros(channels, np.float64)
-        return cls(0, zeros, zeros.copy(), np.full(channels, np.inf), np.full(channels, -np.inf))
+        counts = np.zeros(channels, np.int64)
+        return cls(counts, zeros, zeros.copy(), np.full(channels, np.inf),
+                   np.full(channels, -np.inf), counts.copy())
 
     @classmethod
     def of(cls, values: np.ndarray) -> _Moments:
-        """The moments of `values` (rows, channels), float64."""
-        mean = values.mean(axis=0)
-        return cls(values.shape[0], mean, ((values - mean) ** 2).sum(axis=0),
-                   values.min(axis=0), values.max(axis=0))
+        """The moments of the finite values of `values` (rows, channels), float64."""
+        valid = np.isfinite(values)
+        n = valid.sum(axis=0).astype(np.int64)
+        if n.sum() == values.size:                   # the common case: no missing value
+            mean = values.mean(axis=0)
+            return cls(n, mean, ((values - mean) ** 2).sum(axis=0), values.min(axis=0),
+                       values.max(axis=0), np.zeros_like(n))
+        safe = np.maximum(n, 1)
+        mean = np.where(valid, values, 0.0).sum(axis=0) / safe
+        m2 = np.where(valid, (values - mean) ** 2, 0.0).sum(axis=0)
+        lo = np.where(valid, values, np.inf).min(axis=0)
+        hi = np.where(valid, values, -np.inf).max(axis=0)
+        return cls(n, mean, m2, lo, hi, values.shape[0] - n)
 
     def combine(self, other: _Moments) -> _Moments:
-        """Chan, Golub & LeVeque's pairwise update."""
-        if other.n == 0:
-            return self
-        if self.n == 0:
-            return other
+        """Chan, Golub & LeVeque's pairwise update, per channel."""
         n = self.n + other.n
+        safe = np.maximum(n, 1)
         delta = other.mean - self.mean
-        return _Moments(n, self.mean + delta * (other.n / n),
-                        self.m2 + other.m2 + delta**2 * (self.n * other.n / n),
-                        np.minimum(self.lo, other.lo), np.maximum(self.hi, other.hi))
+        mean = np.where(other.n == 0, self.mean,
+                        np.where(self.n == 0, other.mean, self.mean + delta * (other.n / safe)))
+        m2 = self.m2 + other.m2 + delta**2 * (self.n * other.n / safe)
+        return _Moments(n, mean, m2, np.minimum(self.lo, other.lo),
+                        np.maximum(self.hi, other.hi), self.missing + other.missing)
 
     def to_json(self) -> dict[str, Any]:
-        empty = self.n == 0
-        return {"count": self.n, "mean": self.mean.tolist(), "m2": self.m2.tolist(),
-                "min": None if empty else self.lo.tolist(),
-                "max": None if empty else self.hi.tolist()}
+        def bound(values: np.ndarray) -> list[float | None]:
+            return [float(v) if np.isfinite(v) else None for v in values]
+
+        return {"count": self.n.tolist(), "missing": self.missing.tolist(),
+                "mean": self.mean.tolist(), "m2": self.m2.tolist(),
+                "min": bound(self.lo), "max": bound(self.hi)}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any], channels: int) -> _Moments:
-        if int(doc["count"]) == 0:
+        """A partial result: per-channel counts, or (older) one count for every channel."""
+        count = np.broadcast_to(np.asarray(doc["count"], np.int64), (channels,)).copy()
+        if not count.any():
             return cls.empty(channels)
-        arrays = [np.asarray(doc[k], np.float64) for k in ("mean", "m2", "min", "max")]
-        return cls(int(doc["count"]), *arrays)
+
+        def bound(values: Any, fill: float) -> np.ndarray:
+            values = values if isinstance(values, list) else [values] * channels
+            return np.asarray([fill if v is None else v for v in values], np.float64)
+
+        missing = np.asarray(doc.get("missing", [0] * channels), np.int64)
+        return cls(count, np.asarray(doc["mean"], np.float64), np.asarray(doc["m2"], np.float64),
+                   bound(doc["min"], np.inf), bound(doc["max"], -np.inf), missing)
 
 
 # ---------------------------------------------------------------- partial statistics
@@ -286,10 +316,16 @@ def data_fingerprint(path: str | Path, where: str = "data.path") -> dict[str, di
 
 def write_statistics(path: str | Path, stats: Mapping[str, Any], *, split: str,
                      fingerprint: Mapping[str, Any] | None = None,
-                     where: str = "data.path") -> Path:
+                     where: str = "data.path",
+                     channel_names: Mapping[str, Sequence[str]] | None = None) -> Path:
     """Store merged statistics (`merge_statistics`) of split `split` beside the data,
     atomically. `fingerprint`: the data's, taken before reading (default: now). Datasets
-    already in the file for the same data are kept; a file of other data is replaced."""
+    already in the file for the same data are kept; a file of other data is replaced.
+
+    Per channel the file holds `count` (its valid values) and `missing` (NaN / inf values
+    left out). A channel without any valid value is an ArrayDataError naming the dataset and
+    the channel (`channel_names`: {dataset: names}, else its index): nothing is written, so
+    the file never holds NaN."""
     target = statistics_file(path, where)
     stamp = dict(fingerprint) if fingerprint is not None else data_fingerprint(path, where)
     datasets: dict[str, Any] = {}
@@ -303,14 +339,25 @@ def write_statistics(path: str | Path, stats: Mapping[str, Any], *, split: str,
         if list(e["range"]) != [0, e["rows"]]:
             raise ValueError(f"write_statistics: statistics of '{dataset}' cover records "
                              f"{e['range']}, not all {e['rows']} (a rank's part missing?)")
-        if int(e["count"]) == 0:
-            raise ArrayDataError(f"{where}: dataset '{dataset}' has no values to compute "
-                                 f"statistics of ({e['rows']} records)")
-        count = int(e["count"])
-        std = np.sqrt(np.maximum(np.asarray(e["m2"], np.float64) / count, 0.0))
+        m = _Moments.from_json(e, int(e["channels"]))
+        empty = [c for c in range(int(e["channels"])) if m.n[c] == 0]
+        if empty:
+            names = (channel_names or {}).get(dataset)
+            label = ", ".join(_channel_label(c, names, e["per_channel"]) for c in empty[:8])
+            raise ArrayDataError(
+                f"{where}: dataset '{dataset}' {label}: no valid value in {e['rows']} records "
+                f"(all NaN or missing), so no mean or std; drop the channel from the data "
+                f"(data.variables) or fix the file (nothing was written)")
+        std = np.sqrt(np.maximum(m.m2 / m.n, 0.0))
+        values = (m.mean, std, m.lo, m.hi)
+        if not all(np.all(np.isfinite(v)) for v in values):     # inf - inf, overflow
+            raise ArrayDataError(f"{where}: dataset '{dataset}': statistics not finite "
+                                 f"(mean {m.mean.tolist()}, std {std.tolist()}); values too "
+                                 f"large for float64?")
         datasets[dataset] = {"split": split, "rows": e["rows"], "per_channel": e["per_channel"],
-                             "count": [count] * e["channels"], "mean": list(e["mean"]),
-                             "std": std.tolist(), "min": list(e["min"]), "max": list(e["max"])}
+                             "count": m.n.tolist(), "missing": m.missing.tolist(),
+                             "mean": m.mean.tolist(), "std": std.tolist(),
+                             "min": m.lo.tolist(), "max": m.hi.tolist()}
     doc = {"version": STATS_VERSION, "data": str(path), "fingerprint": stamp,
            "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
            "datasets": dict(sorted(datasets.items()))}
@@ -362,11 +409,19 @@ def load_statistics(path: str | Path, datasets: Iterable[str] | None = None, *,
                 f"{e['rows']} records but {want} are used now (data.num_train changed?); "
                 f"{rerun} again")
         try:
-            out[dataset] = FieldStatistics(*(np.asarray(e[k], np.float64)
-                                             for k in ("count", "mean", "std", "min", "max")))
+            stats = FieldStatistics(*(np.asarray(e[k], np.float64)
+                                      for k in ("count", "mean", "std", "min", "max")))
         except (KeyError, TypeError, ValueError) as err:
             raise ArrayDataError(f"{where}: the statistics file {target} is malformed at "
                                  f"'{dataset}' ({err}); {rerun} again") from None
+        bad = [c for c in range(stats.channels)
+               if not (np.isfinite(stats.mean[c]) and np.isfinite(stats.std[c]))]
+        if bad:     # a file written before the statistics were NaN-aware
+            raise ArrayDataError(
+                f"{where}: the statistics file {target} holds a non-finite mean or std for "
+                f"dataset '{dataset}' channel(s) {bad} (NaN in the data, computed before "
+                f"statistics left NaN out); {rerun} again")
+        out[dataset] = stats
     return out
 
 
@@ -394,12 +449,22 @@ def _check_fresh(stored: Mapping[str, Any], now: Mapping[str, Any], path: str | 
                              f"the statistics were computed; {rerun}")
 
 
+def _channel_label(c: int, names: Sequence[str] | None, per_channel: bool) -> str:
+    if not per_channel:
+        return "(no channel axis)"
+    if names is not None and c < len(names):
+        return f"channel {c} ('{names[c]}')"
+    return f"channel {c}"
+
+
 def compute_statistics(source: Any, split: str) -> tuple[Path, dict[str, Any]]:
     """In one process: the statistics of `source` (an ArraySource: `statistics_plan()`,
-    `path`, `where`) stored beside its data; (the file, the merged statistics)."""
+    `path`, `where`; optionally `channel_names()`: {dataset: names}, for errors) stored
+    beside its data; (the file, the merged statistics)."""
     plan = source.statistics_plan()
     stamp = data_fingerprint(source.path, source.where)
     part = partial_statistics(source.path, plan, where=source.where)
     merged = merge_statistics([part])
+    names = source.channel_names() if hasattr(source, "channel_names") else None
     return write_statistics(source.path, merged, split=split, fingerprint=stamp,
-                            where=source.where), merged
+                            where=source.where, channel_names=names), merged
