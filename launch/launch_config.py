@@ -1,11 +1,14 @@
 """The `launch:` section: the bounds of start-up, agreement and stopping that the bootstrap,
-the preemption watcher, the hang watchdog and `spmd run` read.
+the preemption watcher, the hang watchdog and `spmd run` read, and the recovery inside the
+allocation that a job script's supervisor follows (spmd.launch.supervisor, docs/recovery.md).
 
 It lives here, next to the code that reads it, and imports nothing of spmd (pydantic only),
 so `spmd.launch` stays a foundation; `spmd.config` assembles it into the run's `Config`.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,3 +49,30 @@ class LaunchConfig(BaseModel):
         "statistics), logging what they wait for every 30 s. The wait is over the key-value "
         "store, before any collective, so it has no other deadline; past this, the job fails "
         "naming the rank. Make the data beforehand (`spmd data make`) to skip the wait.")
+    spare_nodes: int = Field(
+        0, ge=0, description="Recovery inside the allocation: the job script (`spmd "
+        "jobscript`, or its --spare-nodes) asks for this many nodes more than it trains on; "
+        "when a node fails, the ranks are started again on the survivors plus a spare, in the "
+        "same job (no requeue). See docs/recovery.md.")
+    elastic: Literal["requeue", "shrink"] = Field(
+        "requeue", description="When a node failed and no spare is left: requeue (end the "
+        "job and requeue it, as without spares) or shrink (start again at once on the "
+        "nodes left; the global batch stays train.batch_size over fewer data-parallel ways, "
+        "and a batch that does not divide ends the shrunk try with that error, then "
+        "requeues).")
+    max_restarts: int | None = Field(
+        None, ge=0, description="How many times the job script's supervisor starts the "
+        "ranks again inside one allocation (after a lost node, a killed rank or a hang). "
+        "null: launch.spare_nodes + 1 when spares or elastic=shrink are asked for, else 0; "
+        "0: no restart inside the job (a failure ends it: requeue or its error, as always).")
+    retry_errors: bool = Field(
+        False, description="Also start again after a Python exception on a healthy node "
+        "(a passing file-system error), within launch.max_restarts; the same error twice in "
+        "a row is never retried. Off: an error in the code or data ends the job with it, "
+        "whatever launch.max_restarts says.")
+
+    def restarts(self) -> int:
+        """launch.max_restarts, with null resolved (see its description)."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return self.spare_nodes + 1 if self.spare_nodes or self.elastic == "shrink" else 0

@@ -8,6 +8,8 @@ memory of the compiled step (as `spmd plan` does, on stand-in devices; the memor
 the data set is on this host). A config that would fail at start-up fails here, in one line,
 before anything is written or submitted, and not after a wait in the queue. --setup adds the
 site's environment set-up (module loads, a virtualenv) to the script, before the launch line.
+--spare-nodes K (launch.spare_nodes) holds K more nodes and runs the ranks under the recovery
+supervisor, which starts them again in the same job when a node fails (docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ranks per node (default: the profile's, one per GPU)")
     p.add_argument("--gpus-per-node", type=_count("--gpus-per-node", 0), metavar="G",
                    help="GPUs per node to request (generic 'slurm' profile)")
+    p.add_argument("--spare-nodes", type=_count("--spare-nodes", 0), metavar="K",
+                   help="hold K nodes more than --nodes; when a node fails the ranks start "
+                        "again on the others and a spare, in the same job (launch.spare_nodes; "
+                        "see docs/recovery.md)")
     p.add_argument("--job-name", metavar="NAME", help="default: spmd-<run.dir name>")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="export this in the script too (repeatable)")
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         overrides=args.overrides, account=args.account, queue=args.queue,
         ranks_per_node=args.ranks_per_node, gpus_per_node=args.gpus_per_node,
         job_name=args.job_name, env=args.env, signal_lead_s=args.signal_before,
-        script_path=args.output, setup=args.setup)
+        script_path=args.output, setup=args.setup, spare_nodes=args.spare_nodes)
     if args.check != "none":   # before anything is written or submitted
         print(f"spmd jobscript: {check_for_world(req, args.config, args.check)}",
               file=sys.stderr)

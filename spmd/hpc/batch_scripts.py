@@ -5,6 +5,11 @@ A rendered script asks for nodes and wall time, runs the site's set-up lines (th
 `spmd train CONFIG overrides...` on every rank under the system's launcher, forwards the
 scheduler's warning signal to the ranks and requeues the job when they exit with status 75
 (preempted, checkpoint saved). See the header of any rendered script for the protocol.
+With spares or a restart budget (`--spare-nodes`, launch.spare_nodes / launch.max_restarts /
+launch.elastic) the job holds nodes + spares and runs the ranks under the recovery supervisor
+(spmd.launch.supervisor), which starts them again inside the allocation after a lost node
+(docs/recovery.md). Every script turns JAX's compilation cache on (run.dir/xla_cache) unless
+run.compilation_cache or JAX_COMPILATION_CACHE_DIR says otherwise.
 """
 
 from __future__ import annotations
@@ -117,6 +122,20 @@ class JobRequest:
     setup: tuple[str, ...] = ()       # --setup shell lines, after the profile's own
     setup_args: tuple[str, ...] = ()  # the --setup values as given (files or lines)
     notes: tuple[str, ...] = field(default=(), compare=False)
+    spare_nodes: int = 0              # nodes held beyond `nodes` for recovery
+    max_restarts: int = 0             # relaunches inside the allocation (0: no supervisor)
+    elastic: str = "requeue"          # launch.elastic
+    retry_errors: bool = False        # launch.retry_errors
+
+    @property
+    def recovery(self) -> bool:
+        """Whether the ranks run under the recovery supervisor."""
+        return self.max_restarts > 0
+
+    @property
+    def alloc_nodes(self) -> int:
+        """Nodes the job asks the scheduler for: the training nodes and the spares."""
+        return self.nodes + self.spare_nodes
 
     @property
     def ranks(self) -> int:
@@ -171,8 +190,12 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
                  gpus_per_node: int | None = None, job_name: str | None = None,
                  env: Sequence[str] | Mapping[str, str] = (), signal_lead_s: int | None = None,
                  script_path: str | Path | None = None,
-                 workdir: str | Path | None = None, setup: Sequence[str] = ()) -> JobRequest:
+                 workdir: str | Path | None = None, setup: Sequence[str] = (),
+                 spare_nodes: int | None = None) -> JobRequest:
     """Validate the options and load the config (schema and overrides).
+
+    `spare_nodes` (--spare-nodes) overrides launch.spare_nodes, and is passed on to the ranks
+    as that override.
 
     The checks against the world the job will have (mesh, batch, pipeline, memory) need
     JAX and stand-in devices: `spmd.aot.job_check.check_job` runs them.
@@ -184,8 +207,12 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
     _positive(ranks_per_node, "--ranks-per-node")
     if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 0):
         raise SpmdError(f"--gpus-per-node must be 0 or more, got {gpus_per_node!r}")
+    if spare_nodes is not None and (not isinstance(spare_nodes, int) or spare_nodes < 0):
+        raise SpmdError(f"--spare-nodes must be 0 or more, got {spare_nodes!r}")
     walltime_s = parse_walltime(time)
     workdir = Path(workdir or Path.cwd()).resolve()
+    if spare_nodes is not None:
+        overrides = [*overrides, f"launch.spare_nodes={spare_nodes}"]
     config_path = Path(config)
     config_path = (config_path if config_path.is_absolute() else workdir / config_path).resolve()
     cfg = load_config(config_path, list(overrides))
@@ -213,6 +240,12 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
 
     overrides = tuple(overrides)
     notes: list[str] = []
+    launch = cfg.launch
+    restarts = launch.restarts()
+    if restarts and profile.scheduler == "lsf":
+        notes.append("LSF's jsrun cannot leave a failed node out: the job restarts in place "
+                     "after a lost rank or a hang, and requeues after a lost node "
+                     "(docs/recovery.md)")
     margin = getattr(getattr(cfg, "launch", None), "walltime_margin_s", None)
     if margin is not None and margin >= walltime_s / 2 and not any(
             o.startswith("launch.walltime_margin_s=") for o in overrides):
@@ -240,7 +273,9 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
         walltime_s=walltime_s, ranks_per_node=rpn, gpus_per_node=gpus, job_name=name,
         signal_lead_s=lead, workdir=workdir, account=account, queue=queue, env=env_pairs,
         script_path=Path(script_path).resolve() if script_path else None,
-        setup=setup_lines(setup, workdir), setup_args=tuple(setup), notes=tuple(notes))
+        setup=setup_lines(setup, workdir), setup_args=tuple(setup), notes=tuple(notes),
+        spare_nodes=launch.spare_nodes, max_restarts=restarts, elastic=launch.elastic,
+        retry_errors=launch.retry_errors)
 
 
 def setup_lines(items: Sequence[str], workdir: Path | None = None) -> tuple[str, ...]:
@@ -296,7 +331,8 @@ def _environment():
 
 
 def _fields(req: JobRequest) -> dict[str, object]:
-    return {"nodes": req.nodes, "ranks": req.ranks, "ranks_per_node": req.ranks_per_node,
+    return {"nodes": req.alloc_nodes, "ranks": req.alloc_nodes * req.ranks_per_node,
+            "ranks_per_node": req.ranks_per_node,
             "cpus_per_task": req.system.cpus_per_task or 1, "gpus_per_node": req.gpus_per_node,
             "mpi": req.system.mpi or "", "bind": '"$SPMD_BIND"' if req.system.bind_wrapper else ""}
 
@@ -325,13 +361,17 @@ def render(req: JobRequest) -> str:
     directives = [d.format(**fields) for d in p.directives]
     if p.name == "slurm" and req.gpus_per_node:
         directives.append(f"--gpus-per-node={req.gpus_per_node}")
-    launcher = p.launcher.format(**fields).strip()
+    launcher = p.launcher.format(**{**fields, "nodes": req.nodes, "ranks": req.ranks}).strip()
     train = list(req.command) or [req.python, "-m", "spmd.cli", "train", str(req.config),
                                   *req.overrides]
+    supervisor = supervisor_command(req) if req.recovery else ""
     ctx = {
         "req": req, "system": p, "scheduler": p.scheduler,
         "prefix": DIRECTIVE_PREFIX[p.scheduler],
         "nodes": req.nodes, "ranks": req.ranks, "ranks_per_node": req.ranks_per_node,
+        "alloc_nodes": req.alloc_nodes, "spare_nodes": req.spare_nodes,
+        "recovery": req.recovery, "supervisor": supervisor, "max_restarts": req.max_restarts,
+        "elastic": req.elastic,
         "cpus_per_task": p.cpus_per_task, "gpus_per_node": req.gpus_per_node,
         "walltime": format_walltime(req.walltime_s, p.scheduler),
         "walltime_hms": format_walltime(req.walltime_s, "pbs"), "walltime_s": req.walltime_s,
@@ -354,6 +394,23 @@ def render(req: JobRequest) -> str:
     }
     text = _environment().get_template(f"{p.scheduler}.sh.j2").render(**ctx)
     return text if text.endswith("\n") else text + "\n"
+
+
+def supervisor_command(req: JobRequest) -> str:
+    """The line that runs the ranks under spmd.launch.supervisor (one shell line, its
+    continuation `\\` left to the template): the profile's launcher with {nodes} and {ranks}
+    open, and "$SPMD_BIND" for the supervisor to expand."""
+    p = req.system
+    fields = {**_fields(req), "nodes": "{nodes}", "ranks": "{ranks}",
+              "bind": "$SPMD_BIND" if p.bind_wrapper else ""}
+    template = " ".join(p.launcher.format(**fields).split())
+    argv = [req.python, "-m", "spmd.launch.supervisor", "--scheduler", p.scheduler,
+            "--run-dir", str(req.run_dir), "--nodes", str(req.nodes), "--ranks-per-node",
+            str(req.ranks_per_node), "--elastic", req.elastic, "--max-restarts",
+            str(req.max_restarts)]
+    if req.retry_errors:
+        argv.append("--retry-errors")
+    return " ".join(shlex.quote(a) for a in argv) + " --launcher " + shlex.quote(template)
 
 
 def write_script(req: JobRequest, path: Path | None = None) -> Path:

@@ -1,0 +1,235 @@
+"""The job script's recovery supervisor: start the ranks, and start them again in the same
+allocation when a node or a rank is lost.
+
+    python -m spmd.launch.supervisor --scheduler slurm --run-dir RUN --nodes N \\
+        --ranks-per-node R --launcher 'srun --nodes={nodes} --ntasks={ranks} ...' \\
+        [--elastic requeue|shrink] [--max-restarts M] [--retry-errors] \\
+        -- python -m spmd.cli train ...
+
+A job script rendered with spares or a restart budget (`spmd jobscript --spare-nodes K`,
+launch.spare_nodes / launch.max_restarts) runs this instead of the launcher line. Each try
+runs the launcher (its stderr passed through, and read for the ranks it reports killed);
+when it ends with a failure the supervisor gathers the evidence (the ranks' records of the
+try in run.dir/events.jsonl, which name the failed rank and host, and the scheduler's node
+states), lets `spmd.launch.recovery.decide` choose, writes the decision to
+run.dir/recovery.jsonl (`spmd report` shows each one) and relaunches without the failed
+hosts, or exits: 0, the ranks' status, or 76 for the job script to requeue. The ranks
+restore from the last checkpoint as any resumed run does (partner copies, else the
+persistent tier) and load the compiled step from the compilation cache.
+
+Signals: USR1/USR2/TERM/INT are passed to the running launcher (srun forwards them to the
+ranks), and no try starts after one. Knows nothing of models: a try is a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from spmd.launch import node_state
+from spmd.launch.env import job_identity
+from spmd.launch.recovery import (
+    RECORDS_NAME,
+    Decision,
+    Outcome,
+    Plan,
+    State,
+    apply,
+    choose_hosts,
+    decide,
+    killed_from_launcher,
+    read_records,
+)
+
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+LEASE_NAME = "lease.json"     # spmd.rundir.lease's file (this layer may not import it)
+HUNG_NAME = "HUNG"            # spmd.comm.hang_watchdog's report of a hang
+
+
+def say(msg: str) -> None:
+    job = job_identity(os.environ)[0] or ""
+    print(f"spmd-recovery {job} [{time.strftime('%Y-%m-%d %H:%M:%S')}]: {msg}",
+          file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """One job's tries; `run()` returns the status the job script goes on with."""
+
+    def __init__(self, scheduler: str, run_dir: Path, launcher: str, command: list[str],
+                 plan: Plan):
+        self.scheduler, self.run_dir = scheduler, Path(run_dir)
+        self.launcher, self.command, self.plan = launcher, command, plan
+        self.proc: subprocess.Popen | None = None
+        self.signalled: int | None = None
+
+    # ------------------------------------------------------------ signals
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signalled = signum
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(signum)
+            except OSError:
+                pass
+
+    def install(self) -> None:
+        for s in FORWARDED:
+            signal.signal(s, self._on_signal)
+
+    # ------------------------------------------------------------ tries
+
+    def _try(self, argv: list[str], attempt: int) -> tuple[int, str]:
+        env = {**os.environ, "SPMD_RECOVERY_ATTEMPT": str(attempt)}
+        tail: deque[str] = deque(maxlen=400)
+        self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True,
+                                     errors="replace")
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stderr is not None
+            for line in self.proc.stderr:
+                sys.stderr.write(line)
+                tail.append(line)
+            sys.stderr.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        while True:
+            try:
+                status = self.proc.wait()
+                break
+            except InterruptedError:   # pragma: no cover (PEP 475 retries)
+                continue
+        reader.join(5.0)
+        return (128 - status if status < 0 else status), "".join(tail)
+
+    def _record(self, record: dict) -> None:
+        path = self.run_dir / RECORDS_NAME
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as e:
+            say(f"could not write {path}: {e}")
+
+    def _clear_for_relaunch(self) -> None:
+        """Every rank of the try has ended: the lease rank 0 held for this job is free (it
+        would otherwise keep the next try waiting for run.lease_stale_s when rank 0's host
+        died), and the hang report belongs to the try that hung."""
+        job_id, restarts = job_identity(os.environ)
+        lease = self.run_dir / LEASE_NAME
+        try:
+            holder = json.loads(lease.read_text())
+        except (OSError, ValueError):
+            holder = None
+        if (isinstance(holder, dict) and job_id and holder.get("job_id") == job_id
+                and int(holder.get("restart_count", 0)) == restarts):
+            lease.unlink(missing_ok=True)
+            say(f"released the lease {lease} left by the ended try (pid {holder.get('pid')} "
+                f"on {holder.get('host')})")
+        (self.run_dir / HUNG_NAME).unlink(missing_ok=True)
+
+    def run(self) -> int:
+        plan = self.plan
+        state = State(nodes=plan.nodes)
+        attempt = 0
+        while True:
+            hosts = choose_hosts(plan, state) if plan.hosts else []
+            argv = node_state.launch_argv(
+                self.scheduler, self.launcher, nodes=state.nodes,
+                ranks_per_node=plan.ranks_per_node, hosts=hosts,
+                exclude=state.excluded) + self.command
+            started = time.time()
+            self._record({"event": "launch", "time": started, "attempt": attempt,
+                          "nodes": state.nodes, "ranks": state.nodes * plan.ranks_per_node,
+                          "hosts": hosts, "exclude": state.excluded,
+                          "job_id": job_identity(os.environ)[0]})
+            say(f"try {attempt}: {state.nodes} node(s) x {plan.ranks_per_node} rank(s)"
+                + (f", leaving out {', '.join(state.excluded)}" if state.excluded else ""))
+            status, stderr = self._try(argv, attempt)
+            ended = time.time()
+            if status == 0 and self.signalled is None:
+                return 0
+            down = (node_state.down_hosts(self.scheduler, plan.hosts)
+                    if plan.hosts and self.signalled is None else [])
+            outcome = Outcome(status=status, records=read_records(self.run_dir, started),
+                              killed_ranks=killed_from_launcher(stderr), down_hosts=down,
+                              signalled=self.signalled is not None, started_at=started,
+                              ended_at=ended)
+            d = decide(outcome, plan, state)
+            if d.kind in ("done", "preempted"):
+                return d.status
+            self._record({"event": "recovery", "time": time.time(), "attempt": attempt,
+                          "ended_at": ended, "status": status, "nodes_before": state.nodes,
+                          "down_hosts": down, "job_id": job_identity(os.environ)[0],
+                          **d.as_record()})
+            say(_describe(d, attempt))
+            if d.action not in ("relaunch", "shrink"):
+                return d.status
+            if self.signalled is not None:   # a stop came while deciding
+                return 75
+            self._clear_for_relaunch()
+            state = apply(state, d)
+            attempt += 1
+
+
+def _describe(d: Decision, attempt: int) -> str:
+    head = f"try {attempt} ended ({d.kind}): {d.cause}"
+    if d.action == "relaunch":
+        return head + f"; starting again on {d.nodes} node(s)" + (
+            f" without {', '.join(d.exclude)}" if d.exclude else "")
+    if d.action == "shrink":
+        return head + f"; starting again on {d.nodes} node(s) (the ranks log the new mesh)"
+    if d.action == "requeue":
+        return head + f"; exiting {d.status} for the job script to requeue"
+    return head + f"; ending the job with status {d.status}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m spmd.launch.supervisor",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--scheduler", required=True, choices=node_state.SCHEDULERS)
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--nodes", required=True, type=int, help="nodes to train on")
+    p.add_argument("--ranks-per-node", required=True, type=int)
+    p.add_argument("--launcher", required=True,
+                   help="the launch line, with {nodes} and {ranks} left open")
+    p.add_argument("--elastic", choices=("requeue", "shrink"), default="requeue")
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--retry-errors", action="store_true")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- each rank's command")
+    args = p.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        p.error("give each rank's command after --")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    hosts = node_state.allocation_hosts(args.scheduler)
+    plan = Plan(nodes=args.nodes, ranks_per_node=args.ranks_per_node, hosts=tuple(hosts),
+                elastic=args.elastic, max_restarts=args.max_restarts,
+                retry_errors=args.retry_errors,
+                can_exclude=node_state.can_exclude(args.scheduler))
+    if hosts and len(hosts) < args.nodes:
+        say(f"the allocation has {len(hosts)} host(s) ({', '.join(hosts)}), fewer than the "
+            f"{args.nodes} to train on")
+    sup = Supervisor(args.scheduler, args.run_dir, args.launcher, args.command, plan)
+    sup.install()
+    return sup.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""Recovery inside the allocation (spmd.launch.recovery, node_state, supervisor): the decision
+table, the schedulers' node states and launch lines, and the supervisor run for real against
+stand-in launchers and node-state commands (srun/sinfo, flux, mpiexec/pbsnodes, jsrun/bhosts)
+that act out a scripted failure per try and log how they were called.
+
+The same protocol under a real Slurm: tests/slurm/test_slurm_recovery.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spmd.errors import ExitCode
+from spmd.launch import node_state
+from spmd.launch.launch_config import LaunchConfig
+from spmd.launch.recovery import (
+    REQUEUE_STATUS,
+    Outcome,
+    Plan,
+    State,
+    apply,
+    decide,
+    expand_hostlist,
+    killed_from_launcher,
+)
+
+HOSTS = ("n1", "n2", "n3", "n4", "n5")
+
+
+def started(*hosts: str, t: float = 100.0) -> list[dict]:
+    return [{"event": "started", "rank": r, "host": h, "time": t} for r, h in enumerate(hosts)]
+
+
+def failed(rank: int, host: str, error: str, code: int, t: float = 105.0) -> dict:
+    return {"event": "failed", "rank": rank, "host": host, "error": error, "exit_code": code,
+            "first": True, "time": t}
+
+
+# ---------------------------------------------------------------- host lists, launcher output
+
+
+def test_hostlists_expand_as_slurm_and_flux_write_them():
+    assert expand_hostlist("n[01-03,7],login1") == ["n01", "n02", "n03", "n7", "login1"]
+    assert expand_hostlist("nid[001-002]-ib") == ["nid001-ib", "nid002-ib"]
+    assert expand_hostlist("a,b") == ["a", "b"] and expand_hostlist("") == []
+
+
+def test_srun_s_report_of_killed_tasks_names_the_ranks():
+    text = ("srun: error: n2: task 1: Killed\nsrun: error: n1: task 0: Exited with exit code 69\n"
+            "srun: error: n3: tasks 4-5: Segmentation fault\n")
+    assert killed_from_launcher(text) == {1: "Killed"}
+    assert killed_from_launcher("srun: error: n3: task 4-5: Aborted") == {4: "Aborted",
+                                                                           5: "Aborted"}
+
+
+def test_max_restarts_defaults_from_the_spares():
+    assert LaunchConfig().restarts() == 0
+    assert LaunchConfig(spare_nodes=2).restarts() == 3
+    assert LaunchConfig(elastic="shrink").restarts() == 1
+    assert LaunchConfig(spare_nodes=2, max_restarts=0).restarts() == 0
+
+
+# ---------------------------------------------------------------- the decision table
+
+
+def plan(**kw) -> Plan:
+    base = {"nodes": 4, "ranks_per_node": 2, "hosts": HOSTS, "max_restarts": 3}
+    return Plan(**{**base, **kw})
+
+
+def four_nodes_ranks() -> list[dict]:
+    return started("n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4")
+
+
+def test_a_node_down_for_the_scheduler_is_left_out_and_a_spare_taken():
+    out = Outcome(status=69, records=four_nodes_ranks(), down_hosts=["n3"])
+    d = decide(out, plan(), State(nodes=4))
+    assert (d.action, d.kind, d.nodes, d.exclude) == ("relaunch", "node_lost", 4, ("n3",))
+    assert d.failed_rank == 4 and d.failed_hosts == ("n3",) and "n3" in d.cause
+    state = apply(State(nodes=4), d)
+    assert state.restarts == 1 and state.excluded == ["n3"]
+
+
+def test_no_spare_left_requeues_or_shrinks():
+    out = Outcome(status=69, records=four_nodes_ranks(), down_hosts=["n3"])
+    state = State(nodes=4, excluded=["n5"], restarts=1)   # the spare is gone already
+    d = decide(out, plan(), state)
+    assert (d.action, d.status) == ("requeue", REQUEUE_STATUS) and "no spare" in d.cause
+    d = decide(out, plan(elastic="shrink"), state)
+    assert (d.action, d.nodes, d.exclude) == ("shrink", 3, ("n5", "n3"))
+    assert apply(state, d).shrunk
+
+
+def test_a_killed_rank_on_a_healthy_node_is_relaunched_in_place():
+    out = Outcome(status=137, records=four_nodes_ranks(), killed_ranks={5: "Killed"})
+    d = decide(out, plan(), State(nodes=4))
+    assert (d.action, d.kind, d.exclude, d.failed_rank) == ("relaunch", "process_lost", (), 5)
+    assert "rank 5 on n3 died (Killed)" in d.cause
+
+
+def test_ranks_that_ended_without_a_word_are_named():
+    records = started("n1", "n1") + [{"event": "saved", "rank": 0, "time": 101.0}]
+    d = decide(Outcome(status=69, records=records), plan(nodes=1, hosts=("n1",)),
+               State(nodes=1))
+    assert d.kind == "process_lost" and "ranks 0, 1 ended without a word" in d.cause
+    assert d.failed_at == 101.0
+
+
+def test_an_error_in_the_code_is_not_retried_as_a_lost_node():
+    records = four_nodes_ranks() + [failed(2, "n2", "ValueError: bad input", 1)]
+    d = decide(Outcome(status=1, records=records), plan(), State(nodes=4))
+    assert (d.action, d.kind, d.status) == ("stop", "error", 1)
+    assert "rank 2 on n2 failed: ValueError: bad input" in d.cause and "retry_errors" in d.cause
+
+
+def test_retry_errors_retries_once_but_never_the_same_error_twice():
+    records = four_nodes_ranks() + [failed(2, "n2", "OSError: stale file handle", 1)]
+    p = plan(retry_errors=True)
+    d = decide(Outcome(status=1, records=records), p, State(nodes=4))
+    assert d.action == "relaunch" and d.exclude == ()
+    state = apply(State(nodes=4), d)
+    again = four_nodes_ranks() + [failed(6, "n4", "OSError: stale file handle", 1)]
+    d2 = decide(Outcome(status=1, records=again), p, state)
+    assert (d2.action, d2.status) == ("stop", 1) and "same error" in d2.cause
+
+
+def test_config_and_data_errors_are_never_retried():
+    for code in (ExitCode.USER_ERROR, ExitCode.NONFINITE, ExitCode.LEASE_LOST):
+        records = four_nodes_ranks() + [failed(0, "n1", "train.batch_size ...", int(code))]
+        d = decide(Outcome(status=int(code), records=records), plan(retry_errors=True),
+                   State(nodes=4))
+        assert (d.action, d.kind, d.status) == ("stop", "user_error", int(code))
+
+
+def test_a_config_that_does_not_fit_the_shrunk_world_requeues_at_full_size():
+    records = started("n1", "n1") + [failed(0, "n1", "train.batch_size=16 does not divide", 2)]
+    d = decide(Outcome(status=2, records=records), plan(),
+               State(nodes=3, shrunk=True, restarts=1))
+    assert (d.action, d.status) == ("requeue", REQUEUE_STATUS) and "at 4 nodes" in d.cause
+
+
+def test_max_restarts_bounds_the_tries():
+    out = Outcome(status=137, records=four_nodes_ranks(), killed_ranks={1: "Killed"})
+    d = decide(out, plan(max_restarts=2), State(nodes=4, restarts=2))
+    assert (d.action, d.status) == ("stop", 137) and "launch.max_restarts=2" in d.cause
+    lost = Outcome(status=69, records=four_nodes_ranks(), down_hosts=["n1"])
+    d = decide(lost, plan(max_restarts=0), State(nodes=4))
+    assert d.action == "requeue"   # a lost node past the bound: requeued, as without recovery
+
+
+def test_finished_preempted_and_hung():
+    assert decide(Outcome(status=0), plan(), State(nodes=4)).action == "exit"
+    d = decide(Outcome(status=75), plan(), State(nodes=4))
+    assert (d.action, d.kind, d.status) == ("exit", "preempted", 75)
+    d = decide(Outcome(status=9, signalled=True), plan(), State(nodes=4))
+    assert d.kind == "preempted"
+    hung = [{"event": "hung", "rank": 0, "time": 103.0, "line": "rank 3 did not reach step 7"}]
+    d = decide(Outcome(status=76, records=four_nodes_ranks() + hung), plan(), State(nodes=4))
+    assert (d.action, d.kind, d.failed_at) == ("relaunch", "hung", 103.0)
+
+
+def test_lsf_cannot_leave_a_node_out_and_requeues():
+    out = Outcome(status=69, records=four_nodes_ranks(), down_hosts=["n2"])
+    d = decide(out, plan(can_exclude=False), State(nodes=4))
+    assert d.action == "requeue" and "cannot leave a node out" in d.cause
+
+
+# ---------------------------------------------------------------- schedulers, with stand-ins
+
+
+def stub(bindir: Path, name: str, body: str) -> None:
+    path = bindir / name
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(0o755)
+
+
+QUERY_STUB = """import os, sys
+name = os.path.basename(sys.argv[0])
+open(os.environ["STUB_LOG"], "a").write(" ".join([name] + sys.argv[1:]) + "\\n")
+sys.stdout.write(os.environ.get("STUB_OUT_" + os.path.basename(sys.argv[0]), ""))
+"""
+
+
+@pytest.fixture
+def bindir(tmp_path, monkeypatch):
+    d = tmp_path / "bin"
+    d.mkdir()
+    for name in ("sinfo", "flux", "pbsnodes", "bhosts"):
+        stub(d, name, QUERY_STUB)
+    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
+    monkeypatch.setenv("STUB_LOG", str(tmp_path / "calls.log"))
+    return d
+
+
+def test_down_hosts_per_scheduler(bindir, monkeypatch, tmp_path):
+    monkeypatch.setenv("STUB_OUT_sinfo", "n1 alloc\nn2 down*\nn3 mix\nn4 drain\nn5 idle*\n")
+    assert node_state.down_hosts("slurm", HOSTS) == ["n2", "n4", "n5"]
+    monkeypatch.setenv("STUB_OUT_flux", "n[3-4]\n")
+    assert node_state.down_hosts("flux", HOSTS) == ["n3", "n4"]
+    monkeypatch.setenv("STUB_OUT_pbsnodes", "n2   down   node down: communication closed\n")
+    assert node_state.down_hosts("pbs", HOSTS) == ["n2"]
+    monkeypatch.setenv("STUB_OUT_bhosts", "HOST_NAME STATUS JL/U MAX\nn1 ok - 42\n"
+                                          "n5 unavail - 42\n")
+    assert node_state.down_hosts("lsf", HOSTS) == ["n5"]
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls[0] == "sinfo -h -N -n n1,n2,n3,n4,n5 -o %N %t"
+    assert calls[1] == "flux resource list -s down -no {nodelist}"
+    monkeypatch.setenv("PATH", "/nonexistent")   # a missing tool: nothing known, no error
+    assert node_state.down_hosts("slurm", HOSTS) == []
+
+
+def test_allocation_hosts_per_scheduler(bindir, monkeypatch, tmp_path):
+    assert node_state.allocation_hosts("slurm", {"SLURM_JOB_NODELIST": "n[1-3]"}) == [
+        "n1", "n2", "n3"]
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x1\nx1\nx2\nx3\n")
+    assert node_state.allocation_hosts("pbs", {"PBS_NODEFILE": str(nodefile)}) == [
+        "x1", "x2", "x3"]
+    assert node_state.allocation_hosts("lsf", {"LSB_MCPU_HOSTS": "batch1 1 h1 42 h2 42"}) == [
+        "h1", "h2"]
+    monkeypatch.setenv("STUB_OUT_flux", "f[0-2]\n")
+    assert node_state.allocation_hosts("flux") == ["f0", "f1", "f2"]
+
+
+def test_launch_lines_leave_the_failed_hosts_out():
+    kw = {"nodes": 3, "ranks_per_node": 2, "exclude": ["n2"], "hosts": ["n1", "n3", "n4"]}
+    assert node_state.launch_argv("slurm", "srun --nodes={nodes} --ntasks={ranks}", **kw) == [
+        "srun", "--exclude=n2", "--nodes=3", "--ntasks=6"]
+    assert node_state.launch_argv("flux", "flux run -N{nodes} -n{ranks} -g1", **kw) == [
+        "flux", "run", "--requires=-host:n2", "-N3", "-n6", "-g1"]
+    assert node_state.launch_argv("pbs", "mpiexec -n {ranks} -ppn 2 $SPMD_BIND", **kw,
+                                  environ={"SPMD_BIND": "/r/bind.sh"}) == [
+        "mpiexec", "--hosts", "n1,n3,n4", "-n", "6", "-ppn", "2", "/r/bind.sh"]
+    assert node_state.launch_argv("lsf", "jsrun -n{ranks} -r2", **kw) == ["jsrun", "-n6", "-r2"]
+    assert node_state.launch_argv("slurm", "srun -N{nodes}", nodes=4, ranks_per_node=1) == [
+        "srun", "-N4"]
+
+
+# ---------------------------------------------------------------- the supervisor, for real
+
+# A stand-in launcher: the Nth call acts out try N of FAKE_TRIES (a JSON list): it writes the
+# try's records to run.dir/events.jsonl as the ranks would, prints its stderr lines and exits
+# with its status. A try may also ask to be signalled ("wait": seconds) and then exit 75.
+LAUNCHER = r"""import json, os, signal, sys, time
+log = os.environ["STUB_LOG"]
+open(log, "a").write(" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\n")
+n = sum(1 for line in open(log) if line.split()[0] == os.path.basename(sys.argv[0])) - 1
+tries = json.loads(os.environ["FAKE_TRIES"])
+t = tries[min(n, len(tries) - 1)]
+got = []
+signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))
+with open(os.path.join(os.environ["FAKE_RUN_DIR"], "events.jsonl"), "a") as fh:
+    for e in t.get("events", []):
+        fh.write(json.dumps({"time": time.time(), **e}) + "\n")
+sys.stderr.write(t.get("stderr", ""))
+deadline = time.time() + t.get("wait", 0)
+while time.time() < deadline and not got:
+    time.sleep(0.02)
+sys.exit(75 if got else t["status"])
+"""
+
+
+def supervise(tmp_path: Path, bindir: Path, scheduler: str, launcher: str, tries: list[dict],
+              *args: str, env: dict | None = None, nodes: int = 2) -> tuple[int, str, Path]:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    for name in ("srun", "mpiexec", "jsrun"):
+        stub(bindir, name, LAUNCHER)
+    if scheduler == "flux":   # `flux run` acts the tries, `flux hostlist`/`resource` answer
+        stub(bindir, "flux", "import os, sys\nif sys.argv[1] == 'run':\n    exec(open("
+             f"{str(bindir / 'srun')!r}).read().split(chr(10), 1)[1])\n"
+             + QUERY_STUB.replace("os.path.basename(sys.argv[0])", "'flux_' + sys.argv[1]"))
+    full_env = {**os.environ, "FAKE_TRIES": json.dumps(tries), "FAKE_RUN_DIR": str(run_dir),
+                **(env or {})}
+    r = subprocess.run([sys.executable, "-m", "spmd.launch.supervisor", "--scheduler",
+                        scheduler, "--run-dir", str(run_dir), "--nodes", str(nodes),
+                        "--ranks-per-node", "1", "--launcher", launcher, *args, "--",
+                        "python", "-m", "spmd.cli", "train", "cfg.yaml"],
+                       env=full_env, capture_output=True, text=True, timeout=60)
+    return r.returncode, r.stderr, run_dir
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "recovery.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def calls(tmp_path: Path, word: str) -> list[str]:
+    return [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith(word)]
+
+
+NODE_DIES = {"events": [{"event": "started", "rank": 0, "host": "n1"},
+                        {"event": "started", "rank": 1, "host": "n2"}],
+             "stderr": "srun: error: n2: task 1: Killed\n", "status": 137}
+FINISHES = {"events": [{"event": "started", "rank": 0, "host": "n1"},
+                       {"event": "started", "rank": 1, "host": "n3"},
+                       {"event": "finished", "rank": 0}], "status": 0}
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_slurm_node_loss_relaunches_on_a_spare_without_the_node(bindir, tmp_path):
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun --nodes={nodes} --ntasks={ranks} --mpi=pmi2",
+        [NODE_DIES, FINISHES], "--max-restarts", "2",
+        env={"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "77",
+             "STUB_OUT_sinfo": "n1 alloc\nn2 down*\nn3 idle\n"})
+    assert code == 0, err
+    first, second = calls(tmp_path, "srun")
+    assert first.startswith("srun --nodes=2 --ntasks=2 --mpi=pmi2 python -m spmd.cli train")
+    assert second.startswith("srun --exclude=n2 --nodes=2 --ntasks=2"), second
+    launch0, recovery, launch1 = records(run_dir)
+    assert (launch0["event"], launch1["event"], launch1["exclude"]) == ("launch", "launch",
+                                                                      ["n2"])
+    assert recovery["kind"] == "node_lost" and recovery["failed_hosts"] == ["n2"]
+    assert recovery["failed_rank"] == 1 and recovery["action"] == "relaunch"
+    assert recovery["job_id"] == "77" and recovery["ended_at"] <= recovery["time"]
+    assert "try 0 ended (node_lost): node n2 is down" in err and "without n2" in err
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_flux_and_pbs_leave_the_failed_host_out(bindir, tmp_path):
+    code, err, _ = supervise(
+        tmp_path, bindir, "flux", "flux run -N{nodes} -n{ranks} -g1", [NODE_DIES, FINISHES],
+        "--max-restarts", "1", env={"STUB_OUT_flux_hostlist": "n[1-3]\n",
+                                    "STUB_OUT_flux_resource": "n2\n"})
+    assert code == 0, err
+    runs = calls(tmp_path, "flux run")
+    assert len(runs) == 2 and runs[1].startswith("flux run --requires=-host:n2 -N2 -n2"), runs
+
+    (tmp_path / "calls.log").unlink()
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("n1\nn2\nn3\n")
+    code, err, _ = supervise(
+        tmp_path, bindir, "pbs", "mpiexec -n {ranks} -ppn 1 $SPMD_BIND", [NODE_DIES, FINISHES],
+        "--max-restarts", "1", env={"PBS_NODEFILE": str(nodefile), "SPMD_BIND": "/x/bind.sh",
+                                    "STUB_OUT_pbsnodes": "n2 down\n"})
+    assert code == 0, err
+    first, second = calls(tmp_path, "mpiexec")
+    assert first.startswith("mpiexec -n 2 -ppn 1 /x/bind.sh python")
+    assert second.startswith("mpiexec --hosts n1,n3 -n 2 -ppn 1 /x/bind.sh"), second
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_lsf_requeues_after_a_lost_node(bindir, tmp_path):
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "lsf", "jsrun -n{ranks} -r1", [NODE_DIES, FINISHES],
+        "--max-restarts", "2", env={"LSB_MCPU_HOSTS": "b 1 n1 4 n2 4 n3 4",
+                                    "STUB_OUT_bhosts": "HOST STATUS\nn2 unavail\n"})
+    assert code == REQUEUE_STATUS, err
+    assert len(calls(tmp_path, "jsrun")) == 1
+    assert records(run_dir)[-1]["action"] == "requeue"
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_shrink_goes_on_with_the_nodes_left(bindir, tmp_path):
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun --nodes={nodes} --ntasks={ranks}",
+        [NODE_DIES, FINISHES], "--max-restarts", "1", "--elastic", "shrink",
+        env={"SLURM_JOB_NODELIST": "n[1-2]", "STUB_OUT_sinfo": "n2 down*\n"})
+    assert code == 0, err
+    assert calls(tmp_path, "srun")[1].startswith("srun --exclude=n2 --nodes=1 --ntasks=1")
+    assert records(run_dir)[1]["action"] == "shrink" and "new mesh" in err
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_an_exception_ends_the_job_with_its_error_after_one_try(bindir, tmp_path):
+    error = {"events": [{"event": "started", "rank": 0, "host": "n1"},
+                        {"event": "started", "rank": 1, "host": "n2"},
+                        {"event": "failed", "rank": 1, "host": "n2", "first": True,
+                         "exit_code": 1, "error": "KeyError: 'x'"}], "status": 1}
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun -N{nodes}", [error], "--max-restarts", "3",
+        env={"SLURM_JOB_NODELIST": "n[1-3]", "STUB_OUT_sinfo": "n1 alloc\nn2 alloc\n"})
+    assert code == 1 and len(calls(tmp_path, "srun")) == 1, err
+    assert "rank 1 on n2 failed: KeyError: 'x'" in err and "ending the job with status 1" in err
+    (tmp_path / "calls.log").unlink()
+    code, err, _ = supervise(
+        tmp_path, bindir, "slurm", "srun -N{nodes}", [error], "--max-restarts", "3",
+        "--retry-errors", env={"SLURM_JOB_NODELIST": "n[1-3]"})
+    assert code == 1 and len(calls(tmp_path, "srun")) == 2, err   # once more, not 3 more
+    assert "the same error as the try before" in err
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_a_signal_is_passed_on_and_nothing_restarts(bindir, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stub(bindir, "srun", LAUNCHER)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spmd.launch.supervisor", "--scheduler", "slurm", "--run-dir",
+         str(run_dir), "--nodes", "1", "--ranks-per-node", "1", "--max-restarts", "3",
+         "--launcher", "srun -N{nodes}", "--", "true"],
+        env={**os.environ, "FAKE_TRIES": json.dumps([{"wait": 30, "status": 0}]),
+             "FAKE_RUN_DIR": str(run_dir)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "calls.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR2)   # as the job script forwards a warning
+    assert proc.wait(timeout=20) == int(ExitCode.PREEMPTED), proc.stderr.read()
+    assert len(calls(tmp_path, "srun")) == 1
