@@ -7,6 +7,7 @@ imports nothing of spmd (pydantic only); `spmd.config` assembles it into the run
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,17 @@ class WindowConfig(BaseModel):
     target_steps: int = Field(
         1, ge=1, description="Frames after the input that are the target.")
     stride: int = Field(1, ge=1, description="A window starts every `stride` time steps.")
+
+
+class TimeRange(BaseModel):
+    """data.splits.<split>: a time range of the data (both ends included; left out: the
+    start or the end of the data); dates as 2002-01-01 or 2002-01-01T06:00."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: str | datetime.date | None = Field(
+        None, description="First time of the split (a window's times all lie in the range).")
+    end: str | datetime.date | None = Field(None, description="Last time of the split.")
 
 
 class DataConfig(BaseModel):
@@ -82,3 +94,32 @@ class DataConfig(BaseModel):
         "mtime and a hash of its first and last blocks; spmd.data.run_inputs) and records it in "
         "run.dir; a resumed job whose files changed, disappeared or appeared is an error naming "
         "the file. true: train on with the new data, logged as a change of data (a warning).")
+    variables: list[str | dict[str, list[float]]] | None = Field(
+        None, description="Gridded weather / climate files (NetCDF4, Zarr; CF-decoded as xarray "
+        "does): the variables stacked as the channels of a frame, in this order, e.g. [t2m, "
+        "u10, {geopotential: [500, 850]}] (levels of a level dimension); null: data.fields "
+        "names stored arrays (docs/data.md, Weather and climate files).")
+    constants: list[str] = Field(
+        default_factory=list, description="With data.variables: time-free extra input "
+        "channels, e.g. [lsm, orography, latitude, longitude] (a variable of latitude and "
+        "longitude in the first file, or the coordinate itself).")
+    splits: dict[str, TimeRange] | None = Field(
+        None, description="With data.variables: each split ({train, test}) is a time range "
+        "{start, end} of the same files; required there (the test split is never the train "
+        "split by default).")
+    allow_split_overlap: bool = Field(
+        False, description="Let data.splits ranges overlap (identical ranges stay an error).")
+    time_gaps: Literal["error", "allow"] = Field(
+        "error", description="With data.variables: a gap in the time axis (a jump of several "
+        "steps) is an error naming the file and time (error), or cuts the timeline so that no "
+        "window spans it (allow).")
+    latitude_order: Literal["as_stored", "north_to_south", "south_to_north"] = Field(
+        "as_stored", description="With data.variables: as_stored refuses a file whose "
+        "latitude runs the other way from the first file's; north_to_south / south_to_north "
+        "flips every file that differs on read.")
+    nan: Literal["error", "mask", "fill"] = Field(
+        "error", description="With data.variables: a NaN (a _FillValue, land in an ocean "
+        "field) in a window is an error naming file, variable and time index (error); is "
+        "replaced by data.nan_fill (fill); or is replaced and the task gets a mask field, 1 "
+        "where valid, that its loss weights with (mask).")
+    nan_fill: float = Field(0.0, description="The value NaNs become with data.nan: fill or mask.")

@@ -151,6 +151,12 @@ class WindowSource(ArraySource):
                 f"data.fields.{target_name}={named[target_name]}: the target of a window is "
                 f"read from the same trajectories as the input; set data.fields.{input_name} "
                 f"only (now {path})")
+        if "{split}" not in path and split != "train":
+            raise ArrayDataError(
+                f"data.fields.{input_name}={path} has no {{split}}: the {split} split would "
+                f"read the train split's trajectories; store the splits in groups and write "
+                f"the path as {{split}}/<name>, or give gridded files data.variables and "
+                f"data.splits (time ranges)")
         until = cfg.train.steps if split == "train" else cfg.data.eval_batches
         return cls(cfg.data.path, path.format(split=split), fields, cfg.train.batch_size,
                    input_name=input_name, target_name=target_name,

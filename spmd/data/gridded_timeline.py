@@ -1,0 +1,379 @@
+"""The files of a gridded data set as one checked timeline (CF coordinates, by name).
+
+Why: ERA5 comes as yearly (or monthly) files, WeatherBench2 as one Zarr store; a model
+steps through time across them. Each file's metadata are read once with xarray (dims by
+name, time decoded the CF way, the variables' packing in `spmd.data.cf_decode`), then
+checked together, so nothing is mixed in silently:
+
+- dimensions are found by name (time: `time`/`valid_time`; level: `level`,
+  `pressure_level`, `plev`, `isobaricInhPa`; `latitude`/`lat`; `longitude`/`lon`), in
+  whatever order the file stores them;
+- the time coordinate increases within each file, and its step is regular within and
+  across files: the common step is the most frequent difference; a difference that is not
+  a whole number of steps, or files that overlap in time, are errors; a difference of
+  several steps is a gap: refused (`data.time_gaps: error`, the default) or allowed
+  (`allow`: the timeline is cut there and no window spans it);
+- the files are put in time order; consecutive files continue one timeline segment;
+- latitude and longitude agree across files: a file whose grid differs is refused by
+  name; one whose latitude runs the other way is refused unless `data.latitude_order`
+  (`north_to_south` / `south_to_north`) asks for a fixed order, then flipped on read;
+- each variable exists in each file, holds time, latitude and longitude (and a level dim
+  when levels are asked for), and each asked level exists.
+
+Every error is one line naming the file, the variable and the coordinate value.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spmd.data.cf_decode import Coding, coding_of
+from spmd.data.channels import COORDINATE_CONSTANTS, Channel
+from spmd.data.stores import ArrayDataError, detect_format
+
+__all__ = ["FileAxes", "Timeline", "VarInfo", "build_timeline", "scan_file"]
+
+log = logging.getLogger("spmd.data")
+
+TIME_NAMES = ("time", "valid_time")
+LEVEL_NAMES = ("level", "pressure_level", "plev", "isobaricInhPa", "lev")
+LAT_NAMES = ("latitude", "lat")
+LON_NAMES = ("longitude", "lon")
+ROLES = {"time": TIME_NAMES, "level": LEVEL_NAMES, "lat": LAT_NAMES, "lon": LON_NAMES}
+STANDARD = {"time": "time", "lat": "latitude", "lon": "longitude", "level": "air_pressure"}
+LAT_ORDERS = ("as_stored", "north_to_south", "south_to_north")
+
+
+@dataclass(frozen=True)
+class VarInfo:
+    """A variable of a file: its dims (file order), shape and CF coding."""
+
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    coding: Coding
+    units: str = ""
+
+
+@dataclass
+class FileAxes:
+    """What one file holds along time, level, latitude and longitude, and its variables."""
+
+    path: Path
+    format: str
+    dims: dict[str, str]                      # role (time, level, lat, lon) -> dim name
+    times: np.ndarray                         # datetime64[ns]
+    lat: np.ndarray
+    lon: np.ndarray
+    levels: np.ndarray | None
+    variables: dict[str, VarInfo]
+    flip_lat: bool = False                    # read latitude reversed (data.latitude_order)
+
+
+def _open(path: Path, fmt: str) -> Any:
+    import xarray as xr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata
+        if fmt == "zarr":
+            return xr.open_dataset(path, engine="zarr", consolidated=None, chunks=None)
+        return xr.open_dataset(path, engine="h5netcdf", chunks=None, cache=False)
+
+
+def _role_dims(ds: Any) -> dict[str, str]:
+    """Role -> dim name, by name, else by the coordinate's standard_name / axis."""
+    out: dict[str, str] = {}
+    for dim in ds.dims:
+        for role, names in ROLES.items():
+            if dim in names and role not in out:
+                out[role] = str(dim)
+    for dim in ds.dims:
+        if dim in out.values() or dim not in ds.coords:
+            continue
+        attrs = ds[dim].attrs
+        for role, std in STANDARD.items():
+            axis = {"time": "T", "level": "Z", "lat": "Y", "lon": "X"}[role]
+            if role not in out and (attrs.get("standard_name") == std
+                                    or attrs.get("axis") == axis):
+                out[role] = str(dim)
+    return out
+
+
+def scan_file(path: Path, where: str) -> FileAxes:
+    """The axes and variables of one NetCDF4 / HDF5 file or Zarr store (through xarray)."""
+    path = Path(path)
+    fmt = detect_format(path)
+    try:
+        ds = _open(path, fmt)
+    except Exception as e:  # xarray raises many types for a damaged or foreign file
+        raise ArrayDataError(f"{where}: file {path}: xarray cannot open it "
+                             f"({type(e).__name__}: {e}); it may be truncated or not "
+                             f"NetCDF4 / Zarr") from None
+    with ds:
+        dims = _role_dims(ds)
+        for role in ("time", "lat", "lon"):
+            if role not in dims:
+                raise ArrayDataError(f"{where}: file {path}: no {role} dimension (looked for "
+                                     f"{list(ROLES[role])} or a coordinate with standard_name "
+                                     f"'{STANDARD[role]}'); it has dims {list(ds.dims)}")
+
+        def coord(role: str) -> np.ndarray | None:
+            name = dims.get(role)
+            if name is None:
+                return None
+            return np.asarray(ds[name].values) if name in ds.coords else np.arange(
+                ds.sizes[name])
+
+        times = coord("time")
+        if not np.issubdtype(times.dtype, np.datetime64):
+            raise ArrayDataError(f"{where}: file {path}: variable '{dims['time']}' is not a "
+                                 f"CF time (units 'hours since ...'); xarray decoded it as "
+                                 f"{times.dtype}")
+        variables = {}
+        for name, var in ds.data_vars.items():
+            variables[str(name)] = VarInfo(tuple(map(str, var.dims)), tuple(var.shape),
+                                           coding_of(var, f"{where}: file {path}", str(name)),
+                                           str(var.attrs.get("units", "")))
+        return FileAxes(path, fmt, dims, times.astype("datetime64[ns]"), coord("lat"),
+                        coord("lon"), coord("level"), variables)
+
+
+def _fmt_time(t: np.datetime64) -> str:
+    return str(np.datetime_as_string(t, unit="m"))
+
+
+@dataclass
+class Timeline:
+    """Files in time order as one timeline of `len(times)` positions, cut into segments
+    where a gap is allowed. Position p is row `p - offsets[k]` of file k."""
+
+    files: list[FileAxes]
+    times: np.ndarray
+    offsets: np.ndarray                        # cumulative rows, len(files) + 1
+    step: np.timedelta64
+    segments: list[tuple[int, int]]            # [lo, hi) positions without a gap
+    gaps: list[tuple[str, str, str]] = field(default_factory=list)   # (file, before, after)
+
+    @property
+    def lat(self) -> np.ndarray:
+        f = self.files[0]
+        return f.lat[::-1] if f.flip_lat else f.lat
+
+    @property
+    def lon(self) -> np.ndarray:
+        return self.files[0].lon
+
+    def window_starts(self, span: int, stride: int, start: np.datetime64 | None = None,
+                      end: np.datetime64 | None = None) -> np.ndarray:
+        """Positions t0 of every window of `span` steps inside one segment whose times all
+        lie in [start, end], t0 every `stride` steps from the segment's (or the range's)
+        first position."""
+        lo_all = 0 if start is None else int(np.searchsorted(self.times, start, "left"))
+        hi_all = len(self.times) if end is None else int(
+            np.searchsorted(self.times, end, "right"))
+        out = []
+        for lo, hi in self.segments:
+            lo, hi = max(lo, lo_all), min(hi, hi_all)
+            if hi - lo >= span:
+                out.append(np.arange(lo, hi - span + 1, stride, dtype=np.int64))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Positions [lo, hi) as (file, first row, stop row) pieces, in time order."""
+        out = []
+        k = int(np.searchsorted(self.offsets, lo, "right")) - 1
+        while lo < hi:
+            stop = min(hi, int(self.offsets[k + 1]))
+            out.append((k, lo - int(self.offsets[k]), stop - int(self.offsets[k])))
+            lo, k = stop, k + 1
+        return out
+
+    def describe(self) -> str:
+        hours = self.step / np.timedelta64(1, "h")
+        text = (f"{len(self.files)} file(s), {len(self.times)} times "
+                f"{_fmt_time(self.times[0])} .. {_fmt_time(self.times[-1])} every {hours:g} h, "
+                f"grid {len(self.lat)} x {len(self.lon)} (latitude {self.lat[0]:g} .. "
+                f"{self.lat[-1]:g})")
+        if self.gaps:
+            text += f", {len(self.gaps)} gap(s): " + "; ".join(
+                f"{b} -> {a} ({Path(f).name})" for f, b, a in self.gaps[:4])
+        return text
+
+
+def _common_step(files: list[FileAxes], where: str) -> np.timedelta64:
+    diffs = np.concatenate([np.diff(f.times) for f in files] +
+                           [np.array([b.times[0] - a.times[-1]]) for a, b in
+                            zip(files, files[1:])])
+    diffs = diffs[diffs > np.timedelta64(0, "ns")]
+    if not len(diffs):
+        raise ArrayDataError(f"{where}: every file holds a single time; the time step is "
+                             f"unknown (variable 'time' of {files[0].path})")
+    values, counts = np.unique(diffs, return_counts=True)
+    return values[int(np.argmax(counts))]
+
+
+def _check_times(files: list[FileAxes], step: np.timedelta64, gaps_key: str, gaps: str,
+                 where: str) -> tuple[list[tuple[int, int]], list[tuple[str, str, str]]]:
+    """Monotonic, regular times; the segments between allowed gaps."""
+    cuts, found = [], []
+    offset = 0
+    for k, f in enumerate(files):
+        t = f.times
+        name = f.dims["time"]
+        d = np.diff(t)
+        bad = np.flatnonzero(d <= np.timedelta64(0, "ns"))
+        if len(bad):
+            i = int(bad[0]) + 1
+            raise ArrayDataError(f"{where}: file {f.path}: variable '{name}' does not increase: "
+                                 f"{name}[{i}]={_fmt_time(t[i])} follows "
+                                 f"{_fmt_time(t[i - 1])}; sort or deduplicate the file")
+        prev = None if k == 0 else files[k - 1]
+        jumps = [(int(i) + 1, t[i], t[i + 1]) for i in np.flatnonzero(d != step)]
+        if prev is not None:
+            gap = t[0] - prev.times[-1]
+            if gap <= np.timedelta64(0, "ns"):
+                raise ArrayDataError(
+                    f"{where}: file {f.path}: variable '{name}' starts at "
+                    f"{_fmt_time(t[0])}, not after the end {_fmt_time(prev.times[-1])} of "
+                    f"file {prev.path}: the files overlap in time; remove one of them")
+            if gap != step:
+                jumps.insert(0, (0, prev.times[-1], t[0]))
+        for i, before, after in jumps:
+            hours = step / np.timedelta64(1, "h")
+            if (after - before) % step:
+                raise ArrayDataError(
+                    f"{where}: file {f.path}: variable '{name}' steps irregularly at "
+                    f"{name}[{i}]={_fmt_time(after)} ({(after - before) / np.timedelta64(1, 'h'):g}"
+                    f" h after {_fmt_time(before)}; the data's step is {hours:g} h)")
+            found.append((str(f.path), _fmt_time(before), _fmt_time(after)))
+            if gaps != "allow":
+                raise ArrayDataError(
+                    f"{where}: file {f.path}: variable '{name}' has a gap at {name}[{i}]="
+                    f"{_fmt_time(after)} (previous time {_fmt_time(before)}, step {hours:g} "
+                    f"h); set {gaps_key}: allow to train with windows that never span it")
+            cuts.append(offset + i)
+        offset += len(t)
+    bounds = [0, *cuts, offset]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a], found
+
+
+def _check_grid(files: list[FileAxes], lat_order: str, order_key: str, where: str) -> None:
+    """Latitude / longitude of every file equal the first's (after the wanted flips)."""
+    if lat_order not in LAT_ORDERS:
+        raise ArrayDataError(f"{order_key}={lat_order}: one of {list(LAT_ORDERS)}")
+    for f in files:
+        if len(f.lat) > 1 and lat_order != "as_stored":
+            north_first = f.lat[0] > f.lat[-1]
+            f.flip_lat = north_first != (lat_order == "north_to_south")
+    ref = files[0]
+    ref_lat = ref.lat[::-1] if ref.flip_lat else ref.lat
+    for f in files[1:]:
+        lat = f.lat[::-1] if f.flip_lat else f.lat
+        name = f.dims["lat"]
+        if len(lat) != len(ref_lat) or len(f.lon) != len(ref.lon):
+            raise ArrayDataError(
+                f"{where}: file {f.path}: grid {len(lat)} x {len(f.lon)} ({name} x "
+                f"{f.dims['lon']}) differs from {len(ref_lat)} x {len(ref.lon)} in file "
+                f"{ref.path}; every file must hold the same grid")
+        if not np.allclose(lat, ref_lat, rtol=0, atol=1e-6):
+            if np.allclose(lat[::-1], ref_lat, rtol=0, atol=1e-6):
+                runs = "south to north" if lat[0] < lat[-1] else "north to south"
+                raise ArrayDataError(
+                    f"{where}: file {f.path}: variable '{name}' runs {runs} ({lat[0]:g} .. "
+                    f"{lat[-1]:g}) but file {ref.path} runs the other way ({ref_lat[0]:g} .. "
+                    f"{ref_lat[-1]:g}); set {order_key}: north_to_south (or south_to_north) "
+                    f"to flip files on read")
+            i = int(np.flatnonzero(~np.isclose(lat, ref_lat, rtol=0, atol=1e-6))[0])
+            raise ArrayDataError(f"{where}: file {f.path}: variable '{name}'[{i}]={lat[i]:g} "
+                                 f"differs from {ref_lat[i]:g} in file {ref.path}; every file "
+                                 f"must hold the same grid")
+        if not np.allclose(f.lon, ref.lon, rtol=0, atol=1e-6):
+            name = f.dims["lon"]
+            i = int(np.flatnonzero(~np.isclose(f.lon, ref.lon, rtol=0, atol=1e-6))[0])
+            raise ArrayDataError(f"{where}: file {f.path}: variable '{name}'[{i}]="
+                                 f"{f.lon[i]:g} differs from {ref.lon[i]:g} in file {ref.path}; "
+                                 f"every file must hold the same grid")
+
+
+def level_index(f: FileAxes, channel: Channel, where: str) -> int:
+    """The index of `channel.level` in file f's level coordinate (an error naming it)."""
+    levels = f.levels
+    if levels is None:
+        raise ArrayDataError(f"{where}: file {f.path}: variable '{channel.variable}' has no "
+                             f"level dimension, but data.variables asks for level "
+                             f"{channel.level:g}; list it without levels")
+    hit = np.flatnonzero(np.isclose(levels.astype(float), float(channel.level)))
+    if not len(hit):
+        have = [int(v) if float(v).is_integer() else float(v) for v in levels]
+        raise ArrayDataError(f"{where}: file {f.path}: variable '{channel.variable}' has no "
+                             f"{f.dims['level']}={channel.level:g}; the file has "
+                             f"{have} (data.variables)")
+    return int(hit[0])
+
+
+def _check_variables(files: list[FileAxes], channels: list[Channel], constants: list[str],
+                     where: str) -> None:
+    for f in files:
+        grid = {f.dims["lat"], f.dims["lon"]}
+        for c in channels:
+            var = f.variables.get(c.variable)
+            if var is None:
+                raise ArrayDataError(f"{where}: file {f.path}: variable '{c.variable}' "
+                                     f"(data.variables) is missing; the file has "
+                                     f"{sorted(f.variables)}")
+            want = {f.dims["time"], *grid}
+            if c.level is not None:
+                level_index(f, c, where)
+                want.add(f.dims["level"])
+            if set(var.dims) != want:
+                extra = sorted(set(var.dims) - want)
+                hint = (f"; name its levels: {{{c.variable}: [...]}}" if f.dims.get("level")
+                        in extra else "")
+                raise ArrayDataError(f"{where}: file {f.path}: variable '{c.variable}' has dims "
+                                     f"{list(var.dims)}, expected {sorted(want)} "
+                                     f"(data.variables){hint}")
+    first = files[0]
+    for name in constants:
+        if name in COORDINATE_CONSTANTS:
+            continue
+        var = first.variables.get(name)
+        if var is None or set(var.dims) != {first.dims["lat"], first.dims["lon"]}:
+            got = "missing" if var is None else f"has dims {list(var.dims)}"
+            raise ArrayDataError(f"{where}: file {first.path}: constant '{name}' "
+                                 f"(data.constants) is {got}; a constant is a variable of "
+                                 f"latitude and longitude only, or latitude / longitude")
+
+
+def build_timeline(paths: list[Path], channels: list[Channel], constants: list[str] = (),
+                   *, where: str, time_gaps: str = "error",
+                   latitude_order: str = "as_stored",
+                   gaps_key: str = "data.time_gaps",
+                   order_key: str = "data.latitude_order") -> Timeline:
+    """Scan, order and check the files (module docstring); the timeline."""
+    if time_gaps not in ("error", "allow"):
+        raise ArrayDataError(f"{gaps_key}={time_gaps}: one of error, allow")
+    files = [scan_file(p, where) for p in paths]
+    files.sort(key=lambda f: f.times[0] if len(f.times) else np.datetime64("NaT"))
+    empty = [str(f.path) for f in files if not len(f.times)]
+    if empty:
+        raise ArrayDataError(f"{where}: file {empty[0]}: variable 'time' is empty (a file "
+                             f"still being written?)")
+    _check_grid(files, latitude_order, order_key, where)
+    _check_variables(files, channels, list(constants), where)
+    step = _common_step(files, where) if sum(len(f.times) for f in files) > 1 else \
+        np.timedelta64(1, "h")
+    segments, gaps = _check_times(files, step, gaps_key, time_gaps, where)
+    times = np.concatenate([f.times for f in files])
+    offsets = np.cumsum([0] + [len(f.times) for f in files])
+    counts = collections.Counter(len(f.times) for f in files)
+    log.debug("%s: timeline of %d files (%s rows)", where, len(files), dict(counts))
+    for f, before, after in gaps:
+        log.info("%s: file %s: a gap in time from %s to %s: no window spans it", where, f,
+                 before, after)
+    return Timeline(files, times, offsets, step, segments, gaps)

@@ -1,0 +1,442 @@
+"""Time windows of gridded weather / climate files as the examples of a batch
+(`data.variables`, `data.splits`, `data.nan`; docs/data.md, Weather and climate files).
+
+The data are files as they exist: yearly NetCDF4 files (ERA5's way) or one Zarr store
+(WeatherBench2's), variables CF-encoded (packed, with fill values), dims in any order.
+`spmd.data.gridded_timeline` checks and orders the files into one timeline; this source cuts it
+into windows of `input_steps + target_steps` consecutive times, stacked as channels.
+
+Invariants:
+- A frame is `(latitude, longitude, C)`: the channels of `data.variables` in the order
+  written (spmd.data.channels), latitude in the first file's order (or data.latitude_order).
+  Values are decoded as xarray decodes them (spmd.data.cf_decode), then cast to the
+  field's dtype.
+- Record `i` is the i-th window of the split in time order: windows start every `stride`
+  steps within a segment of the timeline (no gap inside), with every time of the window in
+  the split's range (data.splits.<split>). Windows cross file boundaries; never a gap.
+- Layout "channels" (TrajectoryTask's): the input is `(lat, lon, input_steps * C + K)`,
+  the frames in time order, then the K constants of data.constants; the target `(lat, lon,
+  target_steps * C)`. With data.nan: mask, a mask field of the target's shape, 1.0 where the
+  value is valid, 0.0 where it was NaN.
+- Reads go by time blocks that follow the files' time chunks (a multiple of the chunk of
+  about 4 MiB of frames, or 4 MiB of rows of an unchunked file), decoded once and kept in
+  a small cache (`cache_bytes`): windows of neighbouring times (data.shuffle_block's
+  blocks) are cut from blocks in memory.
+- data.nan: error (default) raises on the first NaN of a window, one line naming the file,
+  the variable (and level), the time index in the file and its time; fill replaces NaN by
+  data.nan_fill; mask does too and hands the mask field.
+- The record order is ArraySource's (seeded block shuffle, a pure function of seed, step
+  and row); `rows` is thread safe; the source pickles without its open files.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spmd.data.arrays import ArraySource, Region
+from spmd.data.batch import BatchField
+from spmd.data.cf_decode import decode
+from spmd.data.channels import COORDINATE_CONSTANTS, Channel, channel_table, parse_channels
+from spmd.data.gridded_timeline import FileAxes, Timeline, build_timeline, level_index
+from spmd.data.stores import ArrayDataError
+from spmd.data.time_splits import split_range
+
+__all__ = ["GriddedWindowSource", "NAN_POLICIES"]
+
+NAN_POLICIES = ("error", "mask", "fill")
+BLOCK_BYTES = 4 << 20
+
+
+class GriddedWindowSource(ArraySource):
+    """Windows of `channels` over the timeline of the files at `path`, in the time range
+    `time_range` (start, end; None: open), as rows of `input_name` and `target_name`
+    (and `mask_name` when given); `constants` (data.constants) are appended to the input's
+    channels. See the module docstring."""
+
+    reads_slabs = False
+
+    def __init__(self, path: str | Path, channels: Sequence[Channel],
+                 fields: Mapping[str, BatchField], batch_size: int, *, input_name: str,
+                 target_name: str, mask_name: str | None = None, constants: Sequence[str] = (),
+                 input_steps: int = 1, target_steps: int = 1, stride: int = 1,
+                 time_range: tuple[Any, Any] = (None, None), split: str = "train",
+                 time_gaps: str = "error", latitude_order: str = "as_stored",
+                 nan: str = "error", nan_fill: float = 0.0, seed: int = 0,
+                 shuffle: bool = True, count: int | None = None,
+                 config_key: str = "data.path", window_key: str = "data.window",
+                 prefetch: int = 0, read_threads: int = 1,
+                 prefetch_until: int | None = None, max_open: int = 64,
+                 shuffle_block: int | str | None = "auto", shuffle_mix: int = 16,
+                 cache_bytes: int = 256 << 20):
+        self.channels, self.constants = list(channels), list(constants)
+        self.input_name, self.target_name = input_name, target_name
+        self.mask_name = mask_name
+        self.input_steps, self.target_steps = int(input_steps), int(target_steps)
+        self.stride, self.span = int(stride), int(input_steps) + int(target_steps)
+        self.time_range, self.split = tuple(time_range), split
+        self.time_gaps, self.latitude_order = time_gaps, latitude_order
+        self.nan, self.nan_fill, self.window_key = nan, float(nan_fill), window_key
+        self.cache_bytes = int(cache_bytes)
+        for key, value in (("input_steps", input_steps), ("target_steps", target_steps),
+                           ("stride", stride)):
+            if int(value) < 1:
+                raise ArrayDataError(f"{window_key}.{key}={value}: must be at least 1")
+        if nan not in NAN_POLICIES:
+            raise ArrayDataError(f"data.nan={nan}: one of {list(NAN_POLICIES)}")
+        wanted = {input_name, target_name} | ({mask_name} if mask_name else set())
+        if set(fields) != wanted:
+            raise ValueError(f"GriddedWindowSource: fields {sorted(fields)} must be exactly "
+                             f"{sorted(wanted)}")
+        if mask_name and nan != "mask":
+            raise ValueError("GriddedWindowSource: a mask field needs nan='mask'")
+        first = self.channels[0].variable if self.channels else "?"
+        super().__init__(path, {name: first for name in fields}, fields, batch_size,
+                         seed=seed, shuffle=shuffle, count=count, config_key=config_key,
+                         fields_key="data.variables", prefetch=prefetch,
+                         read_threads=read_threads, prefetch_until=prefetch_until,
+                         max_open=max_open, shuffle_block=shuffle_block,
+                         shuffle_mix=shuffle_mix)
+
+    @classmethod
+    def from_config(cls, cfg: Any, split: str, fields: Mapping[str, BatchField], *,
+                    input_name: str, target_name: str, mask_name: str | None = None, shuffle: bool,
+                    target_steps: int | None = None,
+                    count: int | None = None) -> GriddedWindowSource:
+        """Split `split` (data.splits.<split>) of data.path's files, the channels of
+        data.variables, windows of data.window (`target_steps` overrides), seeded with
+        train.seed, read ahead as ArraySource.from_config says."""
+        d = cfg.data
+        if d.path is None:
+            raise ArrayDataError(f"data.path is not set: the task {cfg.task} reads gridded "
+                                 f"files (NetCDF4 files, a directory or glob of them, or a "
+                                 f"Zarr store)")
+        if d.window is None:
+            raise ArrayDataError(f"data.window is not set: the task {cfg.task} trains on time "
+                                 f"windows; set data.window.input_steps, target_steps, stride")
+        splits = {k: v.model_dump() if hasattr(v, "model_dump") else v
+                  for k, v in (d.splits or {}).items()}
+        time_range = split_range(splits, split, d.allow_split_overlap)
+        until = cfg.train.steps if split == "train" else d.eval_batches
+        return cls(d.path, parse_channels(d.variables), fields, cfg.train.batch_size,
+                   input_name=input_name, target_name=target_name,
+                   mask_name=mask_name,
+                   constants=list(d.constants), input_steps=d.window.input_steps,
+                   target_steps=d.window.target_steps if target_steps is None else
+                   target_steps, stride=d.window.stride, time_range=time_range, split=split,
+                   time_gaps=d.time_gaps, latitude_order=d.latitude_order, nan=d.nan,
+                   nan_fill=d.nan_fill, seed=cfg.train.seed, shuffle=shuffle, count=count,
+                   prefetch=d.prefetch, read_threads=d.read_threads, prefetch_until=until,
+                   shuffle_block=d.shuffle_block, shuffle_mix=d.shuffle_mix)
+
+    # --------------------------------------------------------- the timeline
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._timeline: Timeline | None = None
+        self._starts = np.zeros(0, np.int64)
+        self._member_of: list[int] = []          # timeline file -> member of the index
+        self._const: np.ndarray | None = None
+        self._blocks: collections.OrderedDict[tuple[int, int], np.ndarray] = \
+            collections.OrderedDict()
+        self._block_rows: int = 1
+        self._cache_lock = threading.Lock()
+
+    @property
+    def timeline(self) -> Timeline:
+        """The checked timeline of the files (built on first use)."""
+        self.check()
+        assert self._timeline is not None
+        return self._timeline
+
+    @property
+    def frame(self) -> tuple[int, int, int]:
+        """(latitude, longitude, channels) of one frame."""
+        tl = self.timeline
+        return len(tl.lat), len(tl.lon), len(self.channels)
+
+    def _check(self, count: int | None) -> int:
+        members = self.files.members
+        paths = [m.path for m in members]
+        tl = build_timeline(paths, self.channels, self.constants, where=self.where,
+                            time_gaps=self.time_gaps, latitude_order=self.latitude_order)
+        index = {str(Path(p)): i for i, p in enumerate(paths)}
+        self._member_of = [index[str(f.path)] for f in tl.files]
+        self._timeline = tl
+        start, end = self.time_range
+        self._starts = tl.window_starts(self.span, self.stride, start, end)
+        w = self.window_key
+        if not len(self._starts):
+            lo = np.datetime_as_string(tl.times[0], unit="m")
+            hi = np.datetime_as_string(tl.times[-1], unit="m")
+            raise ArrayDataError(
+                f"{self.where}: split '{self.split}' (data.splits.{self.split}: "
+                f"{self._range_text()}) holds no window of {self.span} steps ({w}.input_steps="
+                f"{self.input_steps} + {w}.target_steps={self.target_steps}); the data run "
+                f"from {lo} to {hi}, segments {[(int(a), int(b)) for a, b in tl.segments][:4]}")
+        nlat, nlon, c = len(tl.lat), len(tl.lon), len(self.channels)
+        k = len(self.constants)
+        want = {self.input_name: (nlat, nlon, self.input_steps * c + k),
+                self.target_name: (nlat, nlon, self.target_steps * c)}
+        if self.mask_name:
+            want[self.mask_name] = want[self.target_name]
+        for name, shape in want.items():
+            have = tuple(self.fields[name].example_shape)
+            if have != shape:
+                raise ArrayDataError(
+                    f"{self.where}: batch field '{name}' has example shape {have}, but the "
+                    f"files give {shape} (grid {nlat} x {nlon}, {c} channels of "
+                    f"data.variables, {k} of data.constants in the input, "
+                    f"{w}.input_steps={self.input_steps}, "
+                    f"{w}.target_steps={self.target_steps}); fix the model's frame or those "
+                    f"keys")
+        total = len(self._starts)
+        if count is not None and not 1 <= count <= total:
+            raise ArrayDataError(f"{self.where}: {count} windows wanted but split "
+                                 f"'{self.split}' holds {total}; lower the count")
+        self._block_rows = self._choose_block_rows()
+        if self.constants:
+            self._const = self._read_constants()
+        return total if count is None else int(count)
+
+    def _choose_block_rows(self) -> int:
+        """Rows per block: a multiple of the first variable's time chunk making about
+        BLOCK_BYTES of decoded frames (at least one chunk, at most 64 MiB)."""
+        nlat, nlon, c = len(self._timeline.lat), len(self._timeline.lon), len(self.channels)
+        frame_bytes = nlat * nlon * c * 4
+        chunk = None
+        with self._member(self._member_of[0]) as store:
+            array = store.get(self.channels[0].variable, "data.variables")
+            f = self._timeline.files[0]
+            dims = f.variables[self.channels[0].variable].dims
+            chunks = getattr(array, "chunks", None)
+            if chunks:
+                chunk = int(chunks[dims.index(f.dims["time"])])
+        if not chunk:
+            return max(1, BLOCK_BYTES // frame_bytes)
+        rows = chunk * max(1, BLOCK_BYTES // (chunk * frame_bytes))
+        if rows * frame_bytes > 64 << 20:           # a huge chunk: read part of it
+            rows = max(1, (64 << 20) // frame_bytes)
+        return rows
+
+    def _range_text(self) -> str:
+        start, end = (None if t is None else np.datetime_as_string(t, unit="m")
+                      for t in self.time_range)
+        return f"{start or 'start'} .. {end or 'end'}"
+
+    def window_of(self, record: int) -> dict[str, Any]:
+        """Where window `record` lies: its first time, its times, and its (file, first row,
+        stop row) pieces."""
+        self.check()
+        t0 = int(self._starts[record])
+        tl = self.timeline
+        return {"t0": t0, "times": tl.times[t0:t0 + self.span],
+                "pieces": [(str(tl.files[k].path), lo, hi)
+                           for k, lo, hi in tl.pieces(t0, t0 + self.span)]}
+
+    def describe(self) -> str:
+        """The timeline, the split and the channel table (`spmd data info`)."""
+        tl = self.timeline
+        units = {}
+        for f in tl.files[:1]:
+            units = {n: v.units for n, v in f.variables.items()}
+        return (f"{self.where}: {tl.describe()}\nsplit {self.split} ({self._range_text()}): "
+                f"{self.count} windows of {self.span} steps, stride "
+                f"{self.stride}; data.nan: {self.nan}\n"
+                f"{channel_table(self.channels, self.constants, units)}")
+
+    def statistics_plan(self) -> dict[str, tuple[bool, int]]:
+        raise ArrayDataError(
+            f"{self.where}: data.variables are decoded on read; their statistics are "
+            f"GriddedWindowSource.channel_statistics(), not the stored arrays' (`spmd data "
+            f"stats` of raw datasets would read packed counts)")
+
+    def channel_statistics(self) -> dict[str, np.ndarray]:
+        """Per channel over every time of the split's windows, NaN ignored (float64): count
+        (valid values), mean, std (population), min, max."""
+        used = np.zeros(len(self.timeline.times), bool)
+        for t0 in self._starts[:self.count]:
+            used[t0:t0 + self.span] = True
+        c = len(self.channels)
+        n, s1, s2 = np.zeros(c), np.zeros(c), np.zeros(c)
+        lo, hi = np.full(c, np.inf), np.full(c, -np.inf)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8), [0]])))
+        for run_lo, run_hi in zip(edges[::2], edges[1::2]):
+            for a in range(int(run_lo), int(run_hi), self._block_rows):
+                b = min(a + self._block_rows, int(run_hi))
+                v = self._frames(a, b).astype(np.float64).reshape(-1, c)
+                ok = ~np.isnan(v)
+                n += ok.sum(0)
+                s1 += np.where(ok, v, 0).sum(0)
+                s2 += np.where(ok, v * v, 0).sum(0)
+                lo = np.minimum(lo, np.nanmin(np.where(ok, v, np.inf), 0))
+                hi = np.maximum(hi, np.nanmax(np.where(ok, v, -np.inf), 0))
+        mean = s1 / np.maximum(n, 1)
+        std = np.sqrt(np.maximum(s2 / np.maximum(n, 1) - mean * mean, 0.0))
+        return {"count": n, "mean": mean, "std": std, "min": lo, "max": hi}
+
+    # --------------------------------------------------------- reading
+
+    def read_channel(self, k: int, channel: Channel, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of timeline file k's `channel`, decoded (xarray's dtype), as
+        (time, latitude, longitude) in the timeline's latitude order."""
+        f = self.timeline.files[k]
+        var = f.variables[channel.variable]
+        index: list[Any] = []
+        keep: list[str] = []
+        for dim in var.dims:
+            if dim == f.dims["time"]:
+                index.append(slice(lo, hi))
+                keep.append("time")
+            elif dim == f.dims.get("level"):
+                index.append(level_index(f, channel, self.where))
+            else:
+                index.append(slice(None))
+                keep.append("lat" if dim == f.dims["lat"] else "lon")
+        with self._member(self._member_of[k]) as store:
+            array = store.get(channel.variable, "data.variables")
+            try:
+                raw = np.asarray(array[tuple(index)])
+            except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged chunk
+                raise ArrayDataError(
+                    f"{self.where}: file {f.path}: reading variable '{channel.variable}' at "
+                    f"time index {lo}..{hi - 1} failed ({type(e).__name__}: {e}); the file "
+                    f"may be truncated or corrupt (left unchanged)") from None
+        raw = np.transpose(raw, [keep.index(d) for d in ("time", "lat", "lon")])
+        values = decode(raw, var.coding)
+        return values[:, ::-1] if f.flip_lat else values
+
+    def _block(self, k: int, b: int) -> np.ndarray:
+        """Block b of timeline file k: decoded float32 (rows, lat, lon, C), cached."""
+        key = (k, b)
+        with self._cache_lock:
+            got = self._blocks.get(key)
+            if got is not None:
+                self._blocks.move_to_end(key)
+                return got
+        rows = len(self.timeline.files[k].times)
+        lo, hi = b * self._block_rows, min((b + 1) * self._block_rows, rows)
+        parts = [self.read_channel(k, c, lo, hi).astype(np.float32, copy=False)
+                 for c in self.channels]
+        block = np.stack(parts, axis=-1)
+        with self._cache_lock:
+            self._blocks[key] = block
+            total = sum(v.nbytes for v in self._blocks.values())
+            while total > self.cache_bytes and len(self._blocks) > 1:
+                _, old = self._blocks.popitem(last=False)
+                total -= old.nbytes
+        return block
+
+    def _frames(self, lo: int, hi: int) -> np.ndarray:
+        """Timeline positions [lo, hi) as float32 (steps, lat, lon, C)."""
+        out = []
+        for k, a, b in self.timeline.pieces(lo, hi):
+            n = self._block_rows
+            for blk in range(a // n, (b - 1) // n + 1):
+                block = self._block(k, blk)
+                s, e = max(a, blk * n) - blk * n, min(b, (blk + 1) * n) - blk * n
+                out.append(block[s:e])
+        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+    def _read_constants(self) -> np.ndarray:
+        tl = self._timeline
+        f = tl.files[0]
+        out = []
+        lat2, lon2 = np.meshgrid(tl.lat, tl.lon, indexing="ij")
+        for name in self.constants:
+            if name in COORDINATE_CONSTANTS:
+                out.append(lat2 if name == "latitude" else lon2)
+                continue
+            var = f.variables[name]
+            with self._member(self._member_of[0]) as store:
+                raw = np.asarray(store.get(name, "data.constants")[...])
+            if var.dims[0] != f.dims["lat"]:
+                raw = raw.T
+            values = decode(raw, var.coding)
+            out.append(values[::-1] if f.flip_lat else values)
+        const = np.stack(out, axis=-1).astype(np.float32)
+        if np.isnan(const).any():
+            c = int(np.flatnonzero(np.isnan(const).reshape(-1, len(out)).any(0))[0])
+            raise ArrayDataError(f"{self.where}: file {f.path}: constant '{self.constants[c]}' "
+                                 f"(data.constants) holds NaN; a constant input must be "
+                                 f"finite everywhere")
+        return const
+
+    def _nan_error(self, record: int, t0: int, window: np.ndarray) -> ArrayDataError:
+        bad = np.isnan(window).reshape(window.shape[0], -1, window.shape[-1])
+        step, channel = map(int, np.argwhere(bad.any(1))[0])
+        tl = self.timeline
+        k, row, _ = tl.pieces(t0 + step, t0 + step + 1)[0]
+        c = self.channels[channel]
+        level = "" if c.level is None else f" at level {c.level:g}"
+        when = np.datetime_as_string(tl.times[t0 + step], unit="m")
+        return ArrayDataError(
+            f"{self.where}: file {tl.files[k].path}: variable '{c.variable}'{level} is NaN at "
+            f"time index {row} ({when}) in {int(bad[step, :, channel].sum())} grid point(s) "
+            f"(window {record} of split '{self.split}'); fix the data, or set data.nan: mask "
+            f"(the loss skips missing points) or data.nan: fill")
+
+    def _lay_out(self, frames: np.ndarray) -> np.ndarray:
+        """(steps, lat, lon, C) -> (lat, lon, steps * C), frames in time order."""
+        moved = np.moveaxis(frames, 0, -2)
+        return moved.reshape(*moved.shape[:-2], -1)
+
+    def rows(self, step: int, start: int, stop: int,
+             region: Mapping[str, Region | None] | None = None) -> dict[str, np.ndarray]:
+        """Rows [start, stop) of step `step`: whole examples (a region is cut in memory)."""
+        if not 0 <= start <= stop <= self.batch_size:
+            raise ValueError(f"{self.where}: rows [{start}, {stop}) outside the batch of "
+                             f"{self.batch_size}")
+        records = self.record_indices(step, start, stop)
+        out = {name: np.empty((len(records), *f.example_shape), dtype=f.dtype)
+               for name, f in self.fields.items()}
+        per_file: collections.Counter[str] = collections.Counter()
+        nbytes = 0
+        tl = self.timeline
+        for i, record in enumerate(records):
+            t0 = int(self._starts[record])
+            window = self._frames(t0, t0 + self.span)
+            missing = np.isnan(window)
+            if missing.any():
+                if self.nan == "error":
+                    raise self._nan_error(record, t0, window)
+                window = np.where(missing, np.float32(self.nan_fill), window)
+                if self.mask_name:
+                    out[self.mask_name][i] = self._lay_out(
+                        ~missing[self.input_steps:]).astype(out[self.mask_name].dtype)
+            elif self.mask_name:
+                out[self.mask_name][i] = 1
+            frames = self._lay_out(window[:self.input_steps])
+            if self._const is not None:
+                out[self.input_name][i, ..., :frames.shape[-1]] = frames
+                out[self.input_name][i, ..., frames.shape[-1]:] = self._const
+            else:
+                out[self.input_name][i] = frames
+            out[self.target_name][i] = self._lay_out(window[self.input_steps:])
+            nbytes += window.nbytes
+            for k, _, _ in tl.pieces(t0, t0 + self.span):
+                per_file[str(tl.files[k].path)] += 1
+        if region:
+            for name, box in region.items():
+                if box is not None and name in out:
+                    out[name] = out[name][(slice(None), *(slice(lo, hi) for lo, hi in box))]
+        self._count_reads([(self.channels[0].variable, r, ()) for r in records], nbytes,
+                          per_file)
+        return out
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        for k in ("_timeline", "_starts", "_member_of", "_const", "_blocks", "_block_rows",
+                  "_cache_lock"):
+            state.pop(k, None)
+        return state
+
+
+def file_axes(source: GriddedWindowSource) -> list[FileAxes]:
+    """The files of a source in time order (for tools and tests)."""
+    return source.timeline.files

@@ -1,0 +1,209 @@
+"""`GriddedTrajectoryTask`: a TrajectoryTask on weather / climate files as they exist.
+
+A subclass writes only its model; the data come from the config (docs/data.md, Weather and
+climate files):
+
+    class Emulator(spmd.tasks.gridded_task.GriddedTrajectoryTask):
+        class Config(spmd.ModelConfig): ...
+        def build_model(self, rngs):   # (batch, lat, lon, input_channels()) -> frame
+            ...
+
+    data:
+      path: data/era5/                 # yearly NetCDF4 files, or a Zarr store
+      variables: [t2m, u10, v10, {geopotential: [500, 850]}]
+      constants: [lsm, latitude]       # extra input channels (optional)
+      splits: {train: {end: 2001-12-31T23:00}, test: {start: 2002-01-01}}
+      window: {input_steps: 1, target_steps: 1, stride: 1}
+      nan: mask                        # error (default) | mask | fill
+
+Invariants:
+- The frame is `(latitude, longitude, C)` with C the channels of data.variables, read from
+  the files (spmd.data.gridded_windows); nothing is made (`spmd data make` refuses).
+- The model's input is `(lat, lon, input_steps * C + K)`: the frames, then the K
+  constants, which stay the same through a rollout (only the frames are fed back).
+- With data.normalize the frames (not the constants) are normalized per channel with the
+  train split's NaN-aware statistics (GriddedWindowSource.channel_statistics), kept in
+  run.dir/normalization.json as TrajectoryTask keeps its own.
+- With data.nan: mask the loss and `eval_loss` are means over the valid target points
+  only (the mask field, 1 where the target was not NaN).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd.data.batch import BatchField
+from spmd.data.channels import parse_channels
+from spmd.data.file_index import load_index
+from spmd.data.gridded_timeline import Timeline, build_timeline
+from spmd.data.gridded_windows import GriddedWindowSource
+from spmd.errors import ConfigError
+from spmd.tasks.base import ModelCfg
+from spmd.tasks.field_task import run_normalization
+from spmd.tasks.trajectory_task import TrajectoryTask
+
+__all__ = ["GriddedTrajectoryTask"]
+
+log = logging.getLogger("spmd.tasks.gridded_task")
+
+
+class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
+    """The next frame of gridded variables from the last `input_steps` frames (and the
+    constants), rolled out autoregressively; data from data.variables / data.splits."""
+
+    state_name = "channels"
+    mask_name = "target_mask"
+
+    # ------------------------------------------------------------ layout
+
+    def grid(self) -> Timeline:
+        """The files' checked timeline (scanned once per task)."""
+        cached = self.__dict__.get("_grid")
+        if cached is None:
+            d = self.cfg.data
+            if d.path is None or d.variables is None:
+                raise ConfigError(f"the task {self.cfg.task} reads gridded files: set "
+                                  f"data.path and data.variables")
+            where = f"data.path={d.path}"
+            paths = [m.path for m in load_index(d.path, where).members]
+            cached = build_timeline(paths, parse_channels(d.variables), list(d.constants),
+                                    where=where, time_gaps=d.time_gaps,
+                                    latitude_order=d.latitude_order)
+            self._grid = cached
+        return cached
+
+    def channels(self) -> list[str]:
+        """The channel names, in order."""
+        return [c.name for c in parse_channels(self.cfg.data.variables)]
+
+    def frame_shape(self) -> tuple[int, ...]:
+        g = self.grid()
+        return (len(g.lat), len(g.lon), len(self.channels()))
+
+    def constant_channels(self) -> int:
+        return len(self.cfg.data.constants)
+
+    def input_channels(self) -> int:
+        return self.window().input_steps * self.frame_channels() + self.constant_channels()
+
+    def _fields(self, target_steps: int) -> dict[str, BatchField]:
+        fields = super()._fields(target_steps)
+        nlat, nlon, c = self.frame_shape()
+        fields[self.input_name] = BatchField((nlat, nlon, self.input_channels()), np.float32,
+                                             self.frame_axes)
+        if self.cfg.data.nan == "mask":
+            fields[self.mask_name] = BatchField((nlat, nlon, target_steps * c), np.float32,
+                                                self.frame_axes)
+        return fields
+
+    def make_trajectories(self, count: int, seed: int) -> np.ndarray:
+        raise ConfigError(f"the task {self.cfg.task} reads existing files (data.variables); "
+                          f"it makes no trajectories")
+
+    # ------------------------------------------------------------ sources and data
+
+    def _source(self, split: str, shuffle: bool, target_steps: int | None = None
+                ) -> GriddedWindowSource:
+        fields = self.batch_fields() if target_steps is None else self._fields(target_steps)
+        return GriddedWindowSource.from_config(
+            self.cfg, split, fields, input_name=self.input_name, target_name=self.target_name,
+            mask_name=self.mask_name if self.cfg.data.nan == "mask" else None,
+            shuffle=shuffle, target_steps=target_steps)
+
+    def data_incomplete(self) -> bool:
+        return False
+
+    def make_data(self, **options) -> str:
+        raise ConfigError(f"data.path={self.cfg.data.path}: the task {self.cfg.task} reads "
+                          f"existing weather / climate files; there is nothing to make")
+
+    def describe_data(self) -> str:
+        train = self._source("train", True)
+        test = self._source("test", False, self.rollout_steps())
+        return (f"{train.describe()}\nsplit test ({test._range_text()}): {test.count} "
+                f"windows of {self.rollout_steps()} rollout steps; train order: "
+                f"{train.index.describe()}")
+
+    def prepare(self, is_coordinator: bool) -> None:
+        self.grid()
+
+    def _stored_normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        stats = self.train_source().channel_statistics()
+        if np.any(stats["count"] == 0):
+            empty = [n for n, k in zip(self.channels(), stats["count"]) if k == 0]
+            raise ConfigError(f"data.normalize: channel(s) {empty} hold no valid value in the "
+                              f"train split (all NaN)")
+        std = np.maximum(stats["std"], 1e-12)
+        return {self.state_name: (stats["mean"].astype(np.float32), std.astype(np.float32))}
+
+    def normalization(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self.cfg.data.normalize:
+            return None
+        cached = self.__dict__.get("_normalization")
+        if cached is None:
+            cached = run_normalization(self.cfg, (self.state_name,),
+                                       self._stored_normalization)[self.state_name]
+            self._normalization = cached
+        return cached
+
+    # ------------------------------------------------------------ objective
+
+    def rollout(self, model, inputs: jax.Array, steps: int) -> list[jax.Array]:
+        """`steps` predicted frames in model units; the constants (the input's last K
+        channels) go with every step unchanged."""
+        k = self.constant_channels()
+        c = self.frame_channels()
+        frames = inputs[..., :inputs.shape[-1] - k] if k else inputs
+        const = inputs[..., inputs.shape[-1] - k:] if k else None
+        x, out = self._scaled(frames, True), []
+        for _ in range(steps):
+            frame = model(x if const is None else jnp.concatenate(
+                [x, const.astype(x.dtype)], axis=-1))
+            out.append(frame)
+            x = jnp.concatenate([x[..., c:], frame.astype(x.dtype)], axis=-1)
+        return out
+
+    def _masked_mse(self, pred: jax.Array, target: jax.Array, mask: jax.Array | None
+                    ) -> jax.Array:
+        err = (pred - target) ** 2
+        if mask is None:
+            return jnp.mean(err)
+        return jnp.sum(err * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    def loss(self, model, batch):
+        steps = self.window().target_steps
+        pred = jnp.concatenate(self.rollout(model, batch[self.input_name], steps), axis=-1)
+        return self._masked_mse(pred, self._scaled(batch[self.target_name], True),
+                                batch.get(self.mask_name)), {}
+
+    def eval_metrics(self, model, batch) -> dict:
+        metrics = super().eval_metrics(model, batch)
+        mask = batch.get(self.mask_name)
+        if mask is not None:
+            c = self.frame_channels()
+            pred = self.rollout(model, batch[self.input_name], 1)[0]
+            truth = self._scaled(batch[self.target_name][..., :c], True)
+            metrics["eval_loss"] = self._masked_mse(pred, truth, mask[..., :c])
+        return metrics
+
+    def sample_outputs(self, model, batch) -> dict:
+        if not self.constant_channels():
+            return super().sample_outputs(model, batch)
+        return self._samples(model, batch)
+
+    def _samples(self, model, batch) -> dict:
+        from spmd.tasks.field_task import relative_l2
+
+        steps, c, k = self.rollout_steps(), self.frame_channels(), self.constant_channels()
+        x = batch[self.input_name]
+        preds = [self._scaled(p, False) for p in self.rollout(model, x, steps)]
+        truths = self._truths(batch[self.target_name], steps)
+        lead_error = jnp.stack([relative_l2(p, t) for p, t in zip(preds, truths)], axis=1)
+        last = x.shape[-1] - k - c
+        return {"input": x[..., last], "truth": truths[-1][..., 0],
+                "prediction": preds[-1][..., 0], "error": (preds[-1] - truths[-1])[..., 0],
+                "lead_error": lead_error}

@@ -1,0 +1,338 @@
+"""Weather and climate files as they exist (issue 35): CF decoding, coordinates by name,
+variables and levels as channels, date splits, windows across files, NaN policies.
+
+The fixtures are written by xarray (tests/helpers/era5_files.py), never by spmd: yearly
+ERA5-like NetCDF4 files (u10 CF-packed int16, 2001 zlib-compressed, geopotential with a
+level dim) and a WeatherBench2-like Zarr v3 store (time, level, longitude, latitude). Each
+file set is written once per module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from spmd.data.batch import BatchField
+from spmd.data.cf_decode import coding_of, decode
+from spmd.data.channels import Channel, parse_channels
+from spmd.data.data_config import DataConfig, WindowConfig
+from spmd.data.gridded_windows import GriddedWindowSource
+from spmd.data.stores import ArrayDataError
+from spmd.data.time_splits import check_splits, split_range
+from tests.helpers.era5_files import LEVELS, grid, land, write_era5_years, write_wb2_zarr
+
+VARIABLES = ["t2m", "u10", "v10", "msl", {"geopotential": [500, 850]}]
+AXES = ("batch", "x", "y", "channels")
+END_2001 = np.datetime64("2001-12-31T23:00", "ns")
+START_2002 = np.datetime64("2002-01-01T00:00", "ns")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("era5")
+    return {
+        "nc": write_era5_years(root / "nc"),
+        "zarr": write_wb2_zarr(root / "wb2.zarr", time_chunk=64),
+        "gap": write_era5_years(root / "gap", (2000, 2001), zlib_year=None, gap_days=10,
+                                gap_year=2000),
+        "flip": write_era5_years(root / "flip", (2000, 2001), zlib_year=None,
+                                 reversed_lat_year=2001),
+        "sst": write_era5_years(root / "sst", (2000, 2001), zlib_year=None, sst=True,
+                                nan_at=("t2m", 2001, 40)),
+        "root": root,
+    }
+
+
+def source(path, variables=VARIABLES, *, steps=(1, 1), mask=False, constants=(), **kw):
+    channels = parse_channels(variables)
+    nlat, nlon = len(grid()[0]), len(grid()[1])
+    c, k = len(channels), len(constants)
+    fields = {"input": BatchField((nlat, nlon, steps[0] * c + k), np.float32, AXES),
+              "target": BatchField((nlat, nlon, steps[1] * c), np.float32, AXES)}
+    if mask:
+        fields["mask"] = BatchField((nlat, nlon, steps[1] * c), np.float32, AXES)
+    kw.setdefault("shuffle", False)
+    return GriddedWindowSource(path, channels, fields, 4, input_name="input",
+                               target_name="target", mask_name="mask" if mask else None,
+                               constants=constants, input_steps=steps[0],
+                               target_steps=steps[1], **kw)
+
+
+def xarray_frames(paths, variables=VARIABLES) -> np.ndarray:
+    """(time, lat, lon, C) of the channels, by xarray alone, files concatenated in time."""
+    out = []
+    for p in paths:
+        ds = xr.open_dataset(p).load() if str(p).endswith(".nc") else \
+            xr.open_zarr(p, consolidated=False).load()
+        chans = []
+        for c in parse_channels(variables):
+            v = ds[c.variable]
+            if c.level is not None:
+                v = v.sel(level=int(c.level))
+            chans.append(v.transpose("time", "latitude", "longitude").values.astype(np.float32))
+        out.append(np.stack(chans, -1))
+    return np.concatenate(out)
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# --------------------------------------------------------------------- CF decoding
+
+
+def test_decoded_values_equal_xarray_element_for_element(files):
+    """Every variable of every file (packed int16, zlib, level dim, WB2 dim order) decodes
+    to what xarray's open_dataset(...).load() returns, dtype included."""
+    src = source(files["root"] / "nc", time_range=(None, END_2001))
+    for k, path in enumerate(files["nc"]):
+        ds = xr.open_dataset(path).load()
+        for c in parse_channels(VARIABLES):
+            got = src.read_channel(k, c, 0, ds.sizes["time"])
+            want = ds[c.variable]
+            if c.level is not None:
+                want = want.sel(level=int(c.level))
+            want = want.values
+            assert got.dtype == want.dtype, (path, c)
+            assert np.array_equal(got, want, equal_nan=True), (path, c)
+    ds = xr.open_dataset(files["nc"][0])
+    assert ds["u10"].encoding["dtype"] == np.int16 and ds["u10"].dtype == np.float64
+    zsrc = source(files["zarr"], time_range=(None, END_2001))
+    zds = xr.open_zarr(files["zarr"], consolidated=False).load()
+    assert zds["geopotential"].dims == ("time", "level", "longitude", "latitude")
+    for c in parse_channels(VARIABLES):
+        want = zds[c.variable]
+        if c.level is not None:
+            want = want.sel(level=int(c.level))
+        want = want.transpose("time", "latitude", "longitude").values
+        got = zsrc.read_channel(0, c, 0, zds.sizes["time"])
+        assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True), c
+
+
+def test_fill_values_become_nan_as_in_xarray(tmp_path):
+    """_FillValue and missing_value of a packed variable are NaN after decoding, as xarray."""
+    lat, lon = grid()
+    t = np.arange(np.datetime64("2000-01-01", "ns"), np.datetime64("2000-01-05", "ns"),
+                  np.timedelta64(1, "D"))
+    v = np.linspace(-3, 3, len(t) * len(lat) * len(lon)).reshape(len(t), len(lat), len(lon))
+    v[0, 0, 0] = np.nan
+    ds = xr.Dataset({"u": (("time", "latitude", "longitude"), v)},
+                    coords={"time": t, "latitude": lat, "longitude": lon})
+    path = tmp_path / "f.nc"
+    ds.to_netcdf(path, encoding={"u": {"dtype": "int16", "scale_factor": np.float32(0.001),
+                                       "add_offset": np.float32(1.0), "_FillValue": -999,
+                                       "missing_value": -999}})
+    back = xr.open_dataset(path).load()
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        raw = f["u"][...]
+    got = decode(raw, coding_of(back["u"], "f", "u"))
+    assert raw[0, 0, 0] == -999 and np.isnan(got[0, 0, 0])
+    assert got.dtype == back["u"].dtype == np.float32
+    assert np.array_equal(got, back["u"].values, equal_nan=True)
+
+
+# --------------------------------------------------------------------- channels, windows
+
+
+def test_four_variables_and_two_levels_are_six_channels(files):
+    src = source(files["root"] / "nc", time_range=(None, END_2001))
+    assert [c.name for c in src.channels] == ["t2m", "u10", "v10", "msl", "geopotential_500",
+                                              "geopotential_850"]
+    assert src.frame == (6, 12, 6)
+    text = src.describe()
+    assert "geopotential_850" in text and "3 file(s)" in text and "every 24 h" in text
+    rows = src.rows(0, 0, 4)                      # windows 0..3 in time order
+    want = xarray_frames(files["nc"])
+    for i in range(4):
+        assert np.array_equal(rows["input"][i], want[i])
+        assert np.array_equal(rows["target"][i], want[i + 1])
+    wb2 = source(files["zarr"], time_range=(None, END_2001), latitude_order="north_to_south")
+    assert np.array_equal(wb2.rows(0, 0, 4)["input"], rows["input"])   # same data, same order
+
+
+def test_date_split_holds_out_the_last_year(files):
+    splits = {"train": {"end": "2001-12-31T23:00"}, "test": {"start": "2002-01-01"}}
+    train = source(files["root"] / "nc", time_range=split_range(splits, "train"))
+    test = source(files["root"] / "nc", time_range=split_range(splits, "test"), split="test")
+    assert train.count == 366 + 365 - 1 and test.count == 365 - 1
+    last = train.window_of(train.count - 1)["times"]
+    assert last[-1] < START_2002
+    assert all(test.window_of(r)["times"][0] >= START_2002 for r in (0, test.count - 1))
+    zarr_test = source(files["zarr"], time_range=split_range(splits, "test"), split="test")
+    assert zarr_test.count == test.count        # a year held out of one Zarr store
+
+
+def test_windows_cross_yearly_file_boundaries(files):
+    src = source(files["root"] / "nc", steps=(2, 3), time_range=(None, None))
+    crossing = [r for r in range(src.count) if len(src.window_of(r)["pieces"]) == 2]
+    assert len(crossing) == 2 * (5 - 1)           # per boundary: windows of span 5
+    w = src.window_of(crossing[0])
+    assert [p[0].endswith(n) for p, n in zip(w["pieces"], ("era5_2000.nc", "era5_2001.nc"))
+            ] == [True, True]
+    rec = crossing[0]
+    step = rec // src.batch_size
+    got = src.rows(step, rec % 4, rec % 4 + 1)
+    want = xarray_frames(files["nc"])[w["t0"]:w["t0"] + 5]
+    assert np.array_equal(got["input"][0], np.concatenate([want[0], want[1]], -1))
+    assert np.array_equal(got["target"][0], np.concatenate(list(want[2:]), -1))
+    assert src.count == 1096 - 5 + 1              # no window lost at a file's end
+
+
+# --------------------------------------------------------------------- the silent cases
+
+
+def test_time_gap_refused_or_never_spanned(files):
+    gap_dir = files["gap"][0].parent
+    with pytest.raises(ArrayDataError) as e:
+        source(gap_dir).check()
+    msg = one_line(e)
+    assert all(s in msg for s in ("era5_2000.nc", "variable 'time'", "gap", "2000-07-12",
+                                  "data.time_gaps: allow"))
+    src = source(gap_dir, steps=(1, 2), time_gaps="allow")
+    assert src.timeline.gaps and len(src.timeline.segments) == 2
+    for r in range(src.count):
+        times = src.window_of(r)["times"]
+        assert np.all(np.diff(times) == np.timedelta64(1, "D")), r
+    n = len(src.timeline.times)
+    assert src.count == n - 2 * 2                 # each of the 2 segments loses span - 1
+
+
+def test_reversed_latitude_refused_by_name_or_flipped(files):
+    flip_dir = files["flip"][0].parent
+    with pytest.raises(ArrayDataError) as e:
+        source(flip_dir).check()
+    msg = one_line(e)
+    assert all(s in msg for s in ("era5_2001.nc", "'latitude'", "south to north", "-75",
+                                  "data.latitude_order"))
+    src = source(flip_dir, latitude_order="north_to_south")
+    ref = xarray_frames([files["flip"][0]])       # 2000: north to south as written
+    k = [str(f.path) for f in src.timeline.files].index(str(files["flip"][1]))
+    year2001 = xr.open_dataset(files["flip"][1]).load()["t2m"].values
+    assert year2001.shape[1] == 6 and not np.array_equal(src.read_channel(k, Channel("t2m"),
+                                                                          0, 5), year2001[:5])
+    assert np.array_equal(src.read_channel(k, Channel("t2m"), 0, 5), year2001[:5, ::-1])
+    assert np.array_equal(src.rows(0, 0, 1)["input"][0], ref[0])
+
+
+def test_level_dimension_taken_by_name(files):
+    """WB2's (time, level, longitude, latitude): level is never time; a variable with a
+    level dim needs its levels named, and a missing level is named."""
+    with pytest.raises(ArrayDataError) as e:
+        source(files["zarr"], ["geopotential"]).check()
+    msg = one_line(e)
+    assert "wb2.zarr" in msg and "'geopotential'" in msg and "level" in msg
+    with pytest.raises(ArrayDataError) as e:
+        source(files["zarr"], [{"geopotential": [500, 700]}]).check()
+    msg = one_line(e)
+    assert "level=700" in msg and str(list(LEVELS)) in msg
+    src = source(files["zarr"], [{"geopotential": [850]}], time_range=(None, END_2001))
+    assert src.count == 730 and src.frame[-1] == 1
+
+
+def test_differing_grid_and_overlapping_files_refused(files, tmp_path):
+    from tests.helpers.era5_files import dataset, times
+
+    lat, lon = grid()
+    d = tmp_path / "grid"
+    d.mkdir()
+    dataset(times((2000,)), lat, lon).to_netcdf(d / "a_2000.nc")
+    dataset(times((2001,)), lat, lon + 1.0).to_netcdf(d / "b_2001.nc")
+    with pytest.raises(ArrayDataError) as e:
+        source(d, ["t2m"]).check()
+    msg = one_line(e)
+    assert "b_2001.nc" in msg and "'longitude'[0]=1" in msg
+    o = tmp_path / "overlap"
+    o.mkdir()
+    dataset(times((2000,)), lat, lon).to_netcdf(o / "a.nc")
+    dataset(times((2000,))[100:], lat, lon).to_netcdf(o / "b.nc")
+    with pytest.raises(ArrayDataError) as e:
+        source(o, ["t2m"]).check()
+    assert "overlap" in one_line(e) and "b.nc" in str(e.value)
+
+
+def test_nan_error_names_file_variable_and_time(files):
+    sst_dir = files["sst"][0].parent
+    with pytest.raises(ArrayDataError) as e:
+        source(sst_dir, ["sst"]).rows(0, 0, 4)
+    msg = one_line(e)
+    assert all(s in msg for s in ("era5_2000.nc", "variable 'sst'", "time index 0",
+                                  "2000-01-01", "data.nan: mask"))
+    src = source(sst_dir, ["t2m"], time_range=(np.datetime64("2001-02-01", "ns"), None))
+    rec = 9                                       # window of 2001-02-10 (index 40), t0 = 9
+    with pytest.raises(ArrayDataError) as e:
+        src.rows(rec // 4, rec % 4, rec % 4 + 1)
+    msg = one_line(e)
+    assert all(s in msg for s in ("era5_2001.nc", "'t2m'", "time index 40", "2001-02-10"))
+
+
+def test_nan_mask_and_fill(files):
+    sst_dir = files["sst"][0].parent
+    lat, lon = grid()
+    masked = source(sst_dir, ["sst", "t2m"], mask=True, nan="mask", nan_fill=-1.0,
+                    time_range=(None, np.datetime64("2000-12-31", "ns")))
+    got = masked.rows(0, 0, 4)
+    sea = ~land(lat, lon)
+    assert np.all(got["mask"][:, sea, 0] == 1) and np.all(got["mask"][:, ~sea, 0] == 0)
+    assert np.all(got["mask"][..., 1] == 1)
+    assert np.all(got["input"][:, ~sea, 0] == -1.0) and np.isfinite(got["input"]).all()
+    filled = source(sst_dir, ["sst"], nan="fill",
+                    time_range=(None, np.datetime64("2000-12-31", "ns"))).rows(0, 0, 4)
+    assert np.all(filled["target"][:, ~sea, 0] == 0.0)
+    stats = masked.channel_statistics()
+    days = 366
+    assert stats["count"][0] == days * sea.sum() and stats["count"][1] == days * sea.size
+    want = xr.open_dataset(files["sst"][0])["sst"].values
+    assert np.isclose(stats["mean"][0], np.nanmean(want.astype(np.float64)))
+
+
+def test_constants_are_extra_input_channels(files):
+    src = source(files["root"] / "nc", ["t2m"], constants=("lsm", "latitude"),
+                 time_range=(None, END_2001))
+    x = src.rows(0, 0, 2)["input"]
+    lat, lon = grid()
+    assert x.shape[-1] == 3
+    assert np.array_equal(x[0, ..., 1], land(lat, lon).astype(np.float32))
+    assert np.array_equal(x[1, :, 0, 2], lat.astype(np.float32))
+    with pytest.raises(ArrayDataError, match=r"constant 'u10' \(data.constants\)"):
+        source(files["root"] / "nc", ["t2m"], constants=("u10",),
+               time_range=(None, END_2001)).check()
+
+
+# --------------------------------------------------------------------- splits
+
+
+def test_splits_overlap_identical_and_missing():
+    with pytest.raises(ArrayDataError) as e:
+        check_splits({"train": {"start": "2000-01-01", "end": "2001-12-31"},
+                      "test": {"start": "2001-06-01", "end": "2002-12-31"}})
+    assert "overlap" in one_line(e) and "data.allow_split_overlap" in str(e.value)
+    assert check_splits({"train": {"end": "2001-12-31"}, "test": {"start": "2001-06-01"}},
+                        allow_overlap=True)["test"][0] == np.datetime64("2001-06-01", "ns")
+    with pytest.raises(ArrayDataError, match="same range"):
+        check_splits({"train": {"start": "2000-01-01"}, "test": {"start": "2000-01-01"}},
+                     allow_overlap=True)
+    with pytest.raises(ArrayDataError, match=r"data.splits is not set.*never the train"):
+        split_range(None, "test")
+    cfg = DataConfig(variables=VARIABLES, splits={"train": {"end": "2001-12-31"}})
+    with pytest.raises(ArrayDataError, match=r"data.splits.test is not set"):
+        split_range({k: v.model_dump() for k, v in cfg.splits.items()}, "test")
+
+
+def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
+    from spmd.config.schema import Config, TrainConfig
+    from spmd.data.windows import WindowSource
+
+    cfg = Config(data=DataConfig(path=tmp_path / "x.h5", fields={"u": "w"},
+                                 window=WindowConfig()),
+                 train=TrainConfig(batch_size=2, steps=1))
+    fields = {n: BatchField((4, 1), np.float32, ("batch", "x", "channels")) for n in "uv"}
+    kw = {"input_name": "u", "target_name": "v", "shuffle": False}
+    WindowSource.from_config(cfg, "train", fields, "{split}/w", **kw)     # train reads "w"
+    with pytest.raises(ArrayDataError) as e:
+        WindowSource.from_config(cfg, "test", fields, "{split}/w", **kw)
+    assert "data.fields.u=w has no {split}" in one_line(e)
