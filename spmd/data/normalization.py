@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.file_index import has_magic, load_index, resolve
+from spmd.data.file_index import check_unchanged, has_magic, load_index, resolve
 from spmd.data.stores import ArrayDataError, Store, fingerprint
 
 __all__ = ["BLOCK_BYTES", "FieldStatistics", "compute_statistics", "data_fingerprint",
@@ -220,6 +220,7 @@ def partial_statistics(path: str | Path, plan: Mapping[str, tuple[bool, int]], *
     for i in sorted(work):
         member = members[i]
         label = f"{where}: file {member.path}" if files.multi else where
+        before = member.stamp or fingerprint(member.path)
         store = Store(member.path, label, member.format)
         opened.append(str(member.path))
         try:
@@ -234,6 +235,8 @@ def partial_statistics(path: str | Path, plan: Mapping[str, tuple[bool, int]], *
                         _Moments.of(block.reshape(-1, channels)))
         finally:
             store.close()
+        check_unchanged(member.path, before, label, "while its statistics were computed "
+                        "(nothing was written)")
     for dataset, m in moments.items():
         out[dataset].update(m.to_json())
     return {"datasets": out, "opened": opened}

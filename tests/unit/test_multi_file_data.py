@@ -129,7 +129,7 @@ def test_few_open_files_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("change", ["changed", "missing", "new"])
-def test_a_changed_missing_or_new_file_is_named(tmp_path, change):
+def test_a_changed_missing_or_new_file_is_named_and_indexed_again(tmp_path, change, caplog):
     write_parts(tmp_path, "hdf5")
     source(tmp_path).check()
     part1 = tmp_path / "part1.h5"
@@ -140,16 +140,14 @@ def test_a_changed_missing_or_new_file_is_named(tmp_path, change):
         part1.unlink()
     else:
         shutil.copy(part1, tmp_path / "part3.h5")
-    with pytest.raises(ArrayDataError) as e:
-        source(tmp_path).check()
-    msg = str(e.value)
+    with caplog.at_level("WARNING", logger="spmd.data"):
+        count = source(tmp_path).count                     # indexed again, with a warning
+    msg = caplog.text
     assert f"data.path={tmp_path}" in msg and INDEX_NAME in msg
     assert str(tmp_path / ("part3.h5" if change == "new" else "part1.h5")) in msg
-    assert {"changed": "changed since", "missing": "missing", "new": "not in the index"}[
-        change] in msg
-    (tmp_path / INDEX_NAME).unlink()                       # accepted: indexed again
-    assert source(tmp_path).count == N + (7 if change == "new" else 0) - (
-        7 if change == "missing" else 0)
+    assert {"changed": "changed (", "missing": "is gone", "new": "is new"}[change] in msg
+    assert "data.allow_changed" in msg
+    assert count == N + (7 if change == "new" else 0) - (7 if change == "missing" else 0)
 
 
 def test_a_glob_of_files_in_several_directories(tmp_path, single):
