@@ -407,3 +407,125 @@ def test_a_signal_is_passed_on_and_nothing_restarts(bindir, tmp_path):
     proc.send_signal(signal.SIGUSR2)   # as the job script forwards a warning
     assert proc.wait(timeout=20) == int(ExitCode.PREEMPTED), proc.stderr.read()
     assert len(calls(tmp_path, "srun")) == 1
+
+
+# ---------------------------------------------------------------- the rendered job scripts
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "mlp_tiny.yaml"
+
+
+def render_with(system: str, *args: str, spare_nodes: int | None = 1) -> str:
+    from spmd.hpc.batch_scripts import make_request, render
+
+    req = make_request(CONFIG, system=system, nodes=4, time="1:00", account="a",
+                       overrides=list(args), workdir=REPO, spare_nodes=spare_nodes)
+    return render(req)
+
+
+def test_spare_nodes_hold_more_nodes_and_run_the_supervisor():
+    text = render_with("slurm")
+    assert "#SBATCH --nodes=5\n" in text and "#SBATCH --no-kill\n" in text
+    assert "python -m spmd.launch.supervisor --scheduler slurm" in text.replace(
+        sys.executable, "python")
+    assert "--nodes 4 --ranks-per-node 1 --elastic requeue --max-restarts 2" in text
+    assert "--launcher 'srun --mpi=pmi2 --nodes={nodes} --ntasks={ranks}" in text
+    assert "launch.spare_nodes=1" in text   # the ranks' config says so too
+    assert 'JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$SPMD_RUN_DIR/xla_cache}"' \
+        in text
+    flux = render_with("flux", "launch.elastic=shrink", "launch.max_restarts=5")
+    assert "#flux: -N 5\n" in flux and "--elastic shrink --max-restarts 5" in flux
+    assert "--requires=-host" in flux and "go on with fewer nodes" in flux
+    pbs = render_with("polaris")
+    assert "#PBS -l select=5:system=polaris" in pbs and "tolerate_node_failures=all" in pbs
+    assert "mpiexec -n {ranks} -ppn 4 --depth=8 --cpu-bind depth $SPMD_BIND" in pbs
+    assert "export SPMD_BIND" in pbs
+    lsf = render_with("summit")
+    assert "#BSUB -nnodes 5" in lsf and "jsrun cannot leave a failed node" in lsf
+
+
+def test_without_recovery_the_script_is_as_before():
+    text = render_with("slurm", spare_nodes=None)
+    assert "#SBATCH --nodes=4\n" in text and "--no-kill" not in text
+    assert "spmd.launch.supervisor" not in text
+    assert "\nsrun --mpi=pmi2 --nodes=4 --ntasks=4" in text
+    assert "spmd.launch.supervisor" in render_with("slurm", "launch.max_restarts=1",
+                                                   spare_nodes=None)
+
+
+def test_jobscript_cli_takes_spare_nodes(capsys):
+    from spmd.cli import main
+
+    assert main(["jobscript", str(CONFIG), "--check", "none", "--system", "summit",
+                 "--nodes", "2", "--time", "30", "-A", "a", "--spare-nodes", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "#BSUB -nnodes 3" in captured.out
+    assert "jsrun cannot leave a failed node out" in captured.err
+
+
+@pytest.mark.slow   # the whole job script under bash, with stand-in srun, sinfo, scontrol
+@pytest.mark.parametrize("spares,expect", [(1, "relaunch"), (0, "requeue")])
+def test_the_slurm_script_relaunches_or_requeues(bindir, tmp_path, spares, expect):
+    import dataclasses
+
+    from spmd.hpc.batch_scripts import make_request, write_script
+
+    run_dir = tmp_path / "run"
+    stub(bindir, "srun", LAUNCHER)
+    stub(bindir, "scontrol", QUERY_STUB)
+    req = make_request(CONFIG, system="slurm", nodes=1, time="30", workdir=REPO,
+                       overrides=[f"run.dir={run_dir}", "launch.max_restarts=1"],
+                       spare_nodes=spares)
+    script = write_script(dataclasses.replace(req, command=("true",)), tmp_path / "job.sh")
+    env = {**os.environ, "SLURM_JOB_ID": "55",
+           "SLURM_JOB_NODELIST": "n[1-2]" if spares else "n1",
+           "STUB_OUT_sinfo": "n1 down*\nn2 idle\n",
+           "FAKE_TRIES": json.dumps([{**NODE_DIES, "events": [
+               {"event": "started", "rank": 0, "host": "n1"}]}, FINISHES]),
+           "FAKE_RUN_DIR": str(run_dir)}
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    sruns, requeues = calls(tmp_path, "srun"), calls(tmp_path, "scontrol requeue")
+    if expect == "relaunch":
+        assert len(sruns) == 2 and "--exclude=n1" in sruns[1] and not requeues, r.stderr
+    else:
+        assert len(sruns) == 1 and requeues == ["scontrol requeue 55"], r.stderr
+        assert "no spare node left" in r.stderr
+
+
+# ---------------------------------------------------------------- spmd report
+
+
+def test_report_times_each_recovery_against_the_jobs():
+    from spmd.cli.report_cmd import format_ledger, format_recoveries, recoveries
+    from spmd.rundir.goodput import build_ledger
+
+    def ev(event: str, t: float, **fields) -> dict:
+        return {"event": event, "time": t, "rank": 0, "host": "n1", **fields}
+
+    events = [ev("started", 1000, size=2, nodes=1, job_id="9", process_start=1000),
+              ev("initialized", 1010, step=0, seconds=2.0), ev("compiled", 1015, seconds=3.0),
+              ev("saved", 1025.5, tier="local", step=10, blocking_s=0.1),
+              ev("started", 1031, size=2, nodes=1, job_id="9", process_start=1031),
+              ev("restored", 1040, step=10, seconds=4.0), ev("compiled", 1042, seconds=1.0),
+              ev("finished", 1053, step=20)]
+    metrics = ([{"step": s, "time": 1015.0 + s, "loss": 1.0, "step_time_s": 1.0}
+                for s in range(1, 13)]
+               + [{"step": s, "time": 1032.0 + s, "loss": 1.0, "step_time_s": 1.0}
+                  for s in range(11, 21)])
+    decision = {"event": "recovery", "time": 1030.5, "ended_at": 1030.0, "failed_at": 1027.0,
+                "attempt": 0, "kind": "process_lost", "action": "relaunch", "failed_rank": 1,
+                "failed_hosts": ["n2"], "cause": "rank 1 on n2 died (Killed)", "nodes": 1,
+                "nodes_before": 1}
+    ledger = build_ledger(events, metrics)
+    (row,) = recoveries([{"event": "launch", "time": 999}, decision], ledger, metrics)
+    assert (row["failed_job"], row["relaunched_job"], row["restored_step"]) == (0, 1, 10)
+    assert row["detect_s"] == 3.0 and row["relaunch_s"] == 1.0
+    assert (row["bootstrap_s"], row["restore_s"], row["compile_s"]) == (5.0, 4.0, 1.0)
+    assert row["steps_computed_twice"] == 2 and row["to_first_step_s"] == 16.0
+    text = format_recoveries([row])
+    assert "rank 1 on n2  process_lost  relaunch  3.0" in text
+    table = format_ledger(ledger, [row])
+    assert "0->1 4.0 s relaunch" in table   # from the last record to the new start
+    assert "  queue               0.0 s" in table and "  relaunch            4.0 s" in table
