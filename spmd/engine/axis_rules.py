@@ -7,7 +7,9 @@ path resolves a parameter to the same placement. Precedence, lowest first:
 2. the task's Flax-style `Task.logical_axis_rules()` pairs, their mesh axis names mapped
    through `mesh.axis_aliases` (e.g. {model: tensor}); a logical name listed twice: the
    first pair wins, as in Flax;
-3. the config's single-entry overrides `mesh.rules`.
+3. the config's single-entry overrides `mesh.rules`;
+4. under `mesh.axis_types: explicit`, each mesh axis name without a rule maps to itself (a
+   model written for JAX's explicit sharding names mesh axes in its PartitionSpecs).
 
 `mesh.fsdp_min_bytes` rides on the table: auto-FSDP of parameters no rule puts on `fsdp`
 (`spmd.sharding.fsdp`).
@@ -20,6 +22,7 @@ import logging
 import jax
 
 from spmd.engine.engine_config import MeshConfig
+from spmd.engine.mesh import physical_axis_rules
 from spmd.sharding import RuleTable, ShardingReport, rules_for
 from spmd.sharding.report import replication_warning, unannotated_note
 from spmd.sharding.rules import flax_rules
@@ -36,10 +39,11 @@ def axis_rules(mesh_cfg: MeshConfig, task: Task) -> RuleTable:
     # validated even without task rules: a typo in mesh.axis_aliases is an error
     translated = flax_rules(pairs or (), mesh_cfg.axis_aliases,
                             source=f"{type(task).__name__}.logical_axis_rules()")
-    return (table.with_overrides(translated)
-            .with_overrides(mesh_cfg.rules)
-            .with_fsdp_min_bytes(mesh_cfg.fsdp_min_bytes)
-            .with_require_annotations(mesh_cfg.require_annotations))
+    table = (table.with_overrides(translated)
+             .with_overrides(mesh_cfg.rules)
+             .with_fsdp_min_bytes(mesh_cfg.fsdp_min_bytes)
+             .with_require_annotations(mesh_cfg.require_annotations))
+    return physical_axis_rules(table, mesh_cfg)   # mesh.axis_types=explicit: fsdp -> fsdp
 
 
 def warn_replication(report: ShardingReport, mesh_cfg: MeshConfig) -> str | None:

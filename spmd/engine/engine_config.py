@@ -38,6 +38,13 @@ class MeshConfig(BaseModel):
         default_factory=dict, description="Mesh axis names used by a task's own (Flax-style) "
         "logical-axis rules -> spmd's mesh axes, e.g. {model: tensor}; null replicates what "
         "the task put on that axis.")
+    axis_types: Literal["auto", "explicit"] = Field(
+        "auto", description="JAX's axis types for the mesh. auto: the compiler propagates "
+        "shardings (spmd's models, with_axes / nnx.with_partitioning names). explicit: "
+        "AxisType.Explicit, for models written for JAX's explicit sharding (Flax's Gemma: "
+        "PartitionSpecs of mesh-axis names, out_sharding=P(...), jax.sharding.reshard); the "
+        "model's construction, the steps, evaluation and prediction run under jax.set_mesh "
+        "(docs/sharding.md, 'Explicit sharding').")
     fsdp_min_bytes: int | None = Field(
         2**20, ge=0, description="FSDP for any model: under a strategy with an fsdp axis, a "
         "parameter of at least this many bytes that no rule puts on fsdp is split along its "

@@ -5,13 +5,23 @@ missing axis. On several nodes each axis size splits into an inter-node factor
 and an intra-node factor; inter-node factors go on the outermost (slowest
 network) axes first, and devices are grouped by the launcher's node ids, not by
 process (one process per GPU is the common HPC layout, see jax#37769).
+
+`mesh.axis_types` picks JAX's axis types: `auto` (the compiler propagates shardings) or
+`explicit` (`AxisType.Explicit`: shardings are part of each array's type, as models written
+for JAX's explicit sharding, like Flax's Gemma, expect). Such a model passes bare
+`PartitionSpec`s (`out_sharding=P(...)`, `jax.sharding.reshard`), which JAX resolves against
+the mesh set by `jax.set_mesh`; `set_mesh` cannot be entered inside `jax.jit`, so spmd enters
+it around the jitted calls (`in_mesh`, `mesh_context`). In explicit mode the model's own
+mesh-axis names resolve to themselves in the rule table (`physical_axis_rules`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,7 +29,9 @@ from jax.sharding import AxisType, Mesh
 
 from spmd.engine.engine_config import MeshConfig
 from spmd.errors import ConfigError
-from spmd.sharding import MESH_AXES, preset
+from spmd.sharding import MESH_AXES, RuleTable, preset
+
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def mesh_axis_sizes(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
@@ -117,4 +129,60 @@ def build_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
     n = len(MESH_AXES)
     order = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]
     grid = grid.transpose(order).reshape([sizes[a] for a in MESH_AXES])
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * n)
+    return Mesh(grid, MESH_AXES, axis_types=(AXIS_TYPES[cfg.axis_types],) * n)
+
+
+def is_explicit(mesh: Any) -> bool:
+    """Whether any axis of `mesh` (a Mesh or an AbstractMesh) is `AxisType.Explicit`."""
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()) or ())
+
+
+def mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """`jax.set_mesh(mesh)` for an explicit mesh (bare PartitionSpecs resolve against it);
+    nothing for an auto mesh, whose programs name their NamedShardings in full."""
+    return jax.set_mesh(mesh) if is_explicit(mesh) else contextlib.nullcontext()
+
+
+def abstract_mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """`jax.sharding.use_abstract_mesh(mesh.abstract_mesh)` for an explicit mesh (nothing
+    for an auto one): unlike `jax.set_mesh`, it may be entered inside a jitted function,
+    where bare PartitionSpecs then resolve against it (used by `spmd export`)."""
+    if not is_explicit(mesh):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+class InMesh:
+    """A jitted function called and lowered under `jax.set_mesh(mesh)`: tracing happens at
+    the first call or at `lower`, and a model with `out_sharding=P(...)` needs the mesh
+    then. Every other attribute is the jitted function's."""
+
+    def __init__(self, fn: Callable, mesh: Mesh):
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+
+def in_mesh(fn: Callable | None, mesh: Mesh) -> Callable | None:
+    """`fn` wrapped in `InMesh` on an explicit mesh; `fn` itself on an auto mesh."""
+    return InMesh(fn, mesh) if fn is not None and is_explicit(mesh) else fn
+
+
+def physical_axis_rules(rules: RuleTable, cfg: MeshConfig) -> RuleTable:
+    """Under `mesh.axis_types: explicit`, each mesh axis name that has no rule of its own
+    maps to itself: a model written for explicit sharding annotates its parameters with
+    PartitionSpecs of mesh-axis names (Gemma's `ShardingConfig`), and those place the
+    parameters as written. Logical names keep going through the table. Under `auto`, the
+    table is returned unchanged (a name must have a rule)."""
+    if cfg.axis_types != "explicit":
+        return rules
+    return rules.with_overrides({a: a for a in MESH_AXES if rules.lookup(a) is None})

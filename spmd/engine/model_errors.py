@@ -53,10 +53,13 @@ _HINTS: list[tuple[re.Pattern, str]] = [
      "the model creates a sharded variable eagerly (nnx.with_partitioning with eager "
      "sharding on): spmd places parameters itself, so build it under `with "
      "nnx.use_eager_sharding(False):` (or nnx.eval_shape), or pass shardings explicitly"),
-    (re.compile(r"PartitionSpec when you are not under a mesh context"),
-     "the model uses JAX's explicit sharding (out_sharding=P(...) with mesh-axis names), "
-     "but spmd traces on an auto mesh without a mesh context: name logical axes instead "
-     "(spmd.constrain / with_axes, docs/sharding.md) or pass NamedShardings"),
+    (re.compile(r"PartitionSpec when you are not under a mesh context"
+                r"|cannot contain axis names that are of type Auto"),
+     "the model uses JAX's explicit sharding (out_sharding=P(...) or reshard with "
+     "mesh-axis names): set mesh.axis_types=explicit, so that spmd builds the mesh with "
+     "AxisType.Explicit axes and traces under jax.set_mesh, the mesh context it needs "
+     "(docs/sharding.md, 'Explicit sharding'); or name logical axes instead "
+     "(spmd.constrain / with_axes) or pass NamedShardings"),
 ]
 
 

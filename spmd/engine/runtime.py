@@ -6,6 +6,9 @@ the config is the caller's (spmd.config.build_task). `check_rules` runs every ch
 needs no model (rule table, pipeline, gradient accumulation, EMA evaluation) once; the
 trainer runs it before anything is written in run.dir and hands its result to
 `build_runtime`.
+
+On a mesh of `AxisType.Explicit` axes (`mesh.axis_types: explicit`) the jitted init, train,
+eval and sample steps are wrapped to run under `jax.set_mesh(mesh)` (spmd.engine.mesh.in_mesh).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from jax.sharding import Mesh
 from spmd.data.feed import BatchFeed
 from spmd.engine.axis_rules import axis_rules, warn_replication
 from spmd.engine.engine_config import EngineSections
+from spmd.engine.mesh import in_mesh
 from spmd.engine.model_errors import framed
 from spmd.engine.pipeline_checks import check_grad_accum, check_pipeline
 from spmd.engine.state import (
@@ -143,6 +147,8 @@ def build_runtime(sections: EngineSections, mesh: Mesh, task: Task,
     sample_step = (make_sample_step(task, model, state, eval_feed.shardings, mesh, rules,
                                     schedule)
                    if eval_step is not None and has_samples else None)
+    init = init_state_fn(task, train.seed, tx, state)
+    # mesh.axis_types=explicit: traced (first call, lower) under jax.set_mesh(mesh)
     return Runtime(sections, task, mesh, rules, tx, model, state, feed,
-                   init_state_fn(task, train.seed, tx, state), train_step, eval_step,
-                   sample_step, schedule, eval_feed)
+                   in_mesh(init, mesh), in_mesh(train_step, mesh), in_mesh(eval_step, mesh),
+                   in_mesh(sample_step, mesh), schedule, eval_feed)

@@ -38,10 +38,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd.engine import model_errors
 from spmd.engine.engine_config import EngineSections
+from spmd.engine.mesh import is_explicit, mesh_context
 from spmd.errors import ConfigError, SpmdError
 from spmd.optim import build_optimizer, build_schedule, decay_mask, with_clipping
 from spmd.optim.state_sharding import opt_state_shardings
-from spmd.sharding import RuleTable, ShardingReport, resolve_params, state_shardings
+from spmd.sharding import (
+    RuleTable,
+    ShardingError,
+    ShardingReport,
+    annotated_axes,
+    resolve_params,
+    state_shardings,
+)
 from spmd.tasks.base import Task
 
 
@@ -205,6 +213,7 @@ def model_layout(task: Task, seed: int, rules: RuleTable, mesh: Mesh) -> ModelLa
     first few: spmd's train state has no place for them (yet)."""
     name = type(task).__name__
     with (nnx.use_eager_sharding(False),   # Flax-annotated models: spmd places the arrays
+          mesh_context(mesh),              # mesh.axis_types=explicit: under jax.set_mesh
           model_errors.framed("build", name)):
         abstract_model = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(seed)))
     graphdef, abstract_params, abstract_rngs, other = nnx.split(
@@ -222,10 +231,34 @@ def model_layout(task: Task, seed: int, rules: RuleTable, mesh: Mesh) -> ModelLa
             f"such as nnx.BatchNorm's, caches) are not part of its train state: use a "
             f"normalization without running statistics (nnx.LayerNorm, nnx.GroupNorm), or "
             f"make these nnx.Param if they are trained")
+    if is_explicit(mesh):
+        check_mesh_axis_names(abstract_params, rules, mesh)
     report = ShardingReport(dict(mesh.shape), resolve_params(abstract_params, rules, mesh))
     return ModelLayout(graphdef, abstract_params, report, abstract_rngs,
                        getattr(task, "train_mode", None), getattr(task, "eval_mode", None),
                        name)
+
+
+def check_mesh_axis_names(abstract_params: nnx.State, rules: RuleTable, mesh: Mesh) -> None:
+    """On an explicit mesh, every name in a parameter's annotation is a logical name with a
+    rule or one of the mesh's axes; otherwise a `ShardingError` names the parameter, the
+    name and the mesh's axes (a model written for another mesh, e.g. Gemma's default
+    tensor-parallel axis 'tp', where spmd's mesh calls it 'tensor')."""
+    for path, variable in nnx.to_flat_state(abstract_params):
+        where = "/".join(map(str, path))
+        found = annotated_axes(variable.get_metadata(),
+                               tuple(getattr(variable.get_value(), "shape", ())), where)
+        for axis in found.axes if found is not None else ():
+            if axis is None or rules.lookup(axis) is not None or axis in mesh.axis_names:
+                continue
+            raise ShardingError(
+                f"parameter {where}: its sharding {tuple(found.axes)} names '{axis}', which is "
+                f"neither a mesh axis ({', '.join(mesh.axis_names)}) nor a logical axis with a "
+                f"rule. Under mesh.axis_types=explicit a model's PartitionSpecs name the mesh's "
+                f"axes directly: build the model with spmd's axis names (e.g. a ShardingConfig "
+                f"made with tensor_parallel_axis_name='tensor'), or map the name with "
+                f"mesh.rules.{axis}=tensor (parameters only; activations' out_sharding must "
+                f"name mesh axes)")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

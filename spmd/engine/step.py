@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd.engine.mesh import is_explicit
 from spmd.engine.model_errors import framed
 from spmd.engine.state import (
     ModelLayout,
@@ -69,6 +70,16 @@ def with_options(method: Callable) -> Callable[..., object]:
     return call
 
 
+def constrained(x, sharding: NamedSharding):
+    """`x` laid out as `sharding` (a pytree of them for a pytree `x`): a sharding constraint
+    on an auto mesh, `jax.sharding.reshard` on an explicit one (where
+    `with_sharding_constraint` only asserts the layout an array already has)."""
+    leaves = jax.tree.leaves(sharding, is_leaf=lambda s: isinstance(s, NamedSharding))
+    if leaves and is_explicit(leaves[0].mesh):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def split_microbatches(batch: dict, batch_shardings: Mapping[str, NamedSharding], k: int,
                        mesh: Mesh) -> dict:
     """Each field [B, ...] -> [k, B / k, ...]: microbatch j holds rows {j, j + k, j + 2k, ...}.
@@ -83,8 +94,7 @@ def split_microbatches(batch: dict, batch_shardings: Mapping[str, NamedSharding]
         spec = tuple(batch_shardings[name].spec)
         lead, rest = (spec[0] if spec else None), spec[1:]
         y = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
-        out[name] = jax.lax.with_sharding_constraint(
-            y, NamedSharding(mesh, PartitionSpec(None, lead, *rest)))
+        out[name] = constrained(y, NamedSharding(mesh, PartitionSpec(None, lead, *rest)))
     return out
 
 
@@ -148,16 +158,15 @@ def make_train_step(task: Task, layout: ModelLayout, state_layout: StateLayout,
     def _accumulate(grad_fn, params, batch, key):
         f32 = jnp.float32
 
-        def constrained(tree):
-            return jax.lax.with_sharding_constraint(tree, param_shardings)
-
         def body(acc, xs):
             micro, j = xs
             (loss, aux), grads = grad_fn(params, micro, jax.random.fold_in(key, j))
-            acc = constrained(jax.tree.map(lambda a, g: a + g.astype(f32), acc, grads))
+            acc = constrained(jax.tree.map(lambda a, g: a + g.astype(f32), acc, grads),
+                              param_shardings)
             return acc, (jnp.asarray(loss, f32), jax.tree.map(lambda v: jnp.asarray(v, f32), aux))
 
-        zeros = constrained(jax.tree.map(lambda p: jnp.zeros(p.shape, f32), params))
+        zeros = constrained(jax.tree.map(lambda p: jnp.zeros(p.shape, f32), params),
+                            param_shardings)
         micro = split_microbatches(batch, batch_shardings, grad_accum, mesh)
         acc, (losses, auxes) = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
         grads = jax.tree.map(lambda a, p: (a / grad_accum).astype(p.dtype), acc, params)

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from spmd.engine.mesh import abstract_mesh_context
 from spmd.errors import SpmdError
 from spmd.inference.loading import Trained
 
@@ -62,7 +63,11 @@ def export_model(trained: Trained, out_dir: str | Path, *,
     field = task.batch_fields()[name]
 
     def predict(x: jax.Array) -> jax.Array:
-        return task.predict(model, {name: x})
+        # mesh.axis_types=explicit: the model's out_sharding=P(...) resolve against the
+        # abstract mesh, entered inside the function (a jax.set_mesh around the export would
+        # also cover the batch dimension's shape check, which then fails to refine at call)
+        with abstract_mesh_context(trained.mesh):
+            return task.predict(model, {name: x})
 
     (batch,) = export.symbolic_shape("batch")
     spec = jax.ShapeDtypeStruct((batch, *field.example_shape), field.dtype)

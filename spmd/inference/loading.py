@@ -5,8 +5,11 @@ A run directory (or one of its checkpoint directories) holds everything needed: 
 `load` builds the task's model abstractly, resolves where each parameter goes on the mesh
 it is given (one device by default: a notebook; or the run's own mesh, rebuilt with
 `run_mesh`), reads the parameters only (spmd.checkpoint.params_reader) and merges them into
-the task's `nnx.Module`, switched to eval mode. With `ema=True` (default: the run's
-`train.eval_ema`) the model holds the run's EMA of the parameters (train.ema_decay) instead.
+the task's `nnx.Module`, switched to eval mode. A run with `mesh.axis_types: explicit` (a
+model written for JAX's explicit sharding) is loaded onto an explicit mesh: call its model
+under `with jax.set_mesh(trained.mesh):`, as its `out_sharding=P(...)` needs. With
+`ema=True` (default: the run's `train.eval_ema`) the model holds the run's EMA of the
+parameters (train.ema_decay) instead.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from spmd.checkpoint.params_reader import (
     ParamsCheckpoint,
@@ -34,7 +37,7 @@ from spmd.config.load import build_task, load_config
 from spmd.config.schema import Config
 from spmd.engine.axis_rules import axis_rules
 from spmd.engine.engine_config import MeshConfig
-from spmd.engine.mesh import build_mesh
+from spmd.engine.mesh import AXIS_TYPES, build_mesh
 from spmd.engine.state import ModelLayout, ema_as_params, ema_dtype, model_layout
 from spmd.errors import SpmdError
 from spmd.launch import LaunchEnv, bootstrap, shutdown
@@ -125,11 +128,13 @@ def find_checkpoint(where: RunLocation, section: CheckpointConfig,
     return choose_checkpoint(found, step, label)
 
 
-def single_device_mesh(device: jax.Device | None = None) -> Mesh:
-    """A mesh of one device with every mesh axis (size 1): any rule table resolves on it."""
+def single_device_mesh(device: jax.Device | None = None, axis_types: str = "auto") -> Mesh:
+    """A mesh of one device with every mesh axis (size 1): any rule table resolves on it.
+    `axis_types`: the run's `mesh.axis_types` (a model written for explicit sharding names
+    these axes in its PartitionSpecs, and needs them `AxisType.Explicit`)."""
     device = device or jax.devices()[0]
     grid = np.array([device], dtype=object).reshape((1,) * len(MESH_AXES))
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(grid, MESH_AXES, axis_types=(AXIS_TYPES[axis_types],) * len(MESH_AXES))
 
 
 def run_mesh(section: MeshConfig | Config, node_of_process: list[int] | None = None) -> Mesh:
@@ -158,7 +163,7 @@ def load(path: str | Path, step: int | None = None, *, mesh: Mesh | None = None,
     cfg = run_config(where, overrides)
     ckpt = find_checkpoint(where, cfg.checkpoint, step)
     task = build_task(cfg)
-    mesh = mesh if mesh is not None else single_device_mesh()
+    mesh = mesh if mesh is not None else single_device_mesh(axis_types=cfg.mesh.axis_types)
     rules = axis_rules(cfg.mesh, task)
     layout = model_layout(task, cfg.train.seed, rules, mesh)
     shardings = nnx.to_pure_dict(state_shardings(layout.abstract_params, rules, mesh))

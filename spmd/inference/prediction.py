@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 
 from spmd.data.arrays import ArrayDataError, ArraySource
 from spmd.data.feed import BatchFeed
+from spmd.engine.mesh import in_mesh, mesh_context
 from spmd.engine.model_errors import framed
 from spmd.engine.pipeline_checks import check_pipeline
 from spmd.errors import SpmdError
@@ -111,13 +112,14 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
 
     abstract = {name: jax.ShapeDtypeStruct(field.global_shape(batch), field.dtype,
                                            sharding=in_sharding)}
-    out = jax.eval_shape(predict, trained.params, abstract)
+    with mesh_context(mesh):   # mesh.axis_types=explicit: traced under jax.set_mesh
+        out = jax.eval_shape(predict, trained.params, abstract)
     feeds_back = tuple(out.shape) == abstract[name].shape
     if rollout > 1 and not feeds_back:
         raise SpmdError(f"--rollout {rollout} feeds each prediction back as input field "
                         f"'{name}' {abstract[name].shape}, but predictions have shape "
                         f"{tuple(out.shape)}; use --rollout 1 for this task")
-    step = jax.jit(predict, out_shardings=in_sharding if feeds_back else None)
+    step = in_mesh(jax.jit(predict, out_shardings=in_sharding if feeds_back else None), mesh)
     shape = (count, *((rollout,) if rollout > 1 else ()), *out.shape[1:])
     writer = open_output(output_path, kind, shape, np.dtype(out.dtype),
                          enabled=jax.process_index() == 0)
