@@ -17,7 +17,9 @@ Invariants:
 - Layout "channels" (TrajectoryTask's): the input is `(lat, lon, input_steps * C + K)`,
   the frames in time order, then the K constants of data.constants; the target `(lat, lon,
   target_steps * C)`. With data.nan: mask, a mask field of the target's shape, 1.0 where the
-  value is valid, 0.0 where it was NaN.
+  value is valid, 0.0 where it was NaN. With `standardize_constants` (data.normalize) each
+  constant is (c - its grid mean) / its grid std, so that degrees of latitude do not
+  dwarf normalized frames.
 - Reads go by time blocks that follow the files' time chunks (a multiple of the chunk of
   about 4 MiB of frames, or 4 MiB of rows of an unchunked file), decoded once and kept in
   a small cache (`cache_bytes`): windows of neighbouring times (data.shuffle_block's
@@ -67,7 +69,8 @@ class GriddedWindowSource(ArraySource):
                  input_steps: int = 1, target_steps: int = 1, stride: int = 1,
                  time_range: tuple[Any, Any] = (None, None), split: str = "train",
                  time_gaps: str = "error", latitude_order: str = "as_stored",
-                 nan: str = "error", nan_fill: float = 0.0, seed: int = 0,
+                 nan: str = "error", nan_fill: float | Sequence[float] = 0.0,
+                 standardize_constants: bool = False, seed: int = 0,
                  shuffle: bool = True, count: int | None = None,
                  config_key: str = "data.path", window_key: str = "data.window",
                  prefetch: int = 0, read_threads: int = 1,
@@ -81,8 +84,10 @@ class GriddedWindowSource(ArraySource):
         self.stride, self.span = int(stride), int(input_steps) + int(target_steps)
         self.time_range, self.split = tuple(time_range), split
         self.time_gaps, self.latitude_order = time_gaps, latitude_order
-        self.nan, self.nan_fill, self.window_key = nan, float(nan_fill), window_key
+        self.nan, self.window_key = nan, window_key
+        self.nan_fill = np.asarray(nan_fill, np.float32)    # a value, or one per channel
         self.cache_bytes = int(cache_bytes)
+        self.standardize_constants = bool(standardize_constants)
         for key, value in (("input_steps", input_steps), ("target_steps", target_steps),
                            ("stride", stride)):
             if int(value) < 1:
@@ -105,12 +110,13 @@ class GriddedWindowSource(ArraySource):
 
     @classmethod
     def from_config(cls, cfg: Any, split: str, fields: Mapping[str, BatchField], *,
-                    input_name: str, target_name: str, mask_name: str | None = None, shuffle: bool,
-                    target_steps: int | None = None,
-                    count: int | None = None) -> GriddedWindowSource:
+                    input_name: str, target_name: str, mask_name: str | None = None,
+                    shuffle: bool, target_steps: int | None = None, count: int | None = None,
+                    nan_fill: Sequence[float] | None = None) -> GriddedWindowSource:
         """Split `split` (data.splits.<split>) of data.path's files, the channels of
         data.variables, windows of data.window (`target_steps` overrides), seeded with
-        train.seed, read ahead as ArraySource.from_config says."""
+        train.seed, read ahead as ArraySource.from_config says. `nan_fill` (one value per
+        channel) overrides data.nan_fill."""
         d = cfg.data
         if d.path is None:
             raise ArrayDataError(f"data.path is not set: the task {cfg.task} reads gridded "
@@ -130,7 +136,9 @@ class GriddedWindowSource(ArraySource):
                    target_steps=d.window.target_steps if target_steps is None else
                    target_steps, stride=d.window.stride, time_range=time_range, split=split,
                    time_gaps=d.time_gaps, latitude_order=d.latitude_order, nan=d.nan,
-                   nan_fill=d.nan_fill, seed=cfg.train.seed, shuffle=shuffle, count=count,
+                   nan_fill=d.nan_fill if nan_fill is None else nan_fill,
+                   standardize_constants=d.normalize,
+                   seed=cfg.train.seed, shuffle=shuffle, count=count,
                    prefetch=d.prefetch, read_threads=d.read_threads, prefetch_until=until,
                    shuffle_block=d.shuffle_block, shuffle_mix=d.shuffle_mix)
 
@@ -359,13 +367,16 @@ class GriddedWindowSource(ArraySource):
                 raw = raw.T
             values = decode(raw, var.coding)
             out.append(values[::-1] if f.flip_lat else values)
-        const = np.stack(out, axis=-1).astype(np.float32)
+        const = np.stack(out, axis=-1).astype(np.float64)
         if np.isnan(const).any():
             c = int(np.flatnonzero(np.isnan(const).reshape(-1, len(out)).any(0))[0])
             raise ArrayDataError(f"{self.where}: file {f.path}: constant '{self.constants[c]}' "
                                  f"(data.constants) holds NaN; a constant input must be "
                                  f"finite everywhere")
-        return const
+        if self.standardize_constants:
+            std = const.std(axis=(0, 1))
+            const = (const - const.mean(axis=(0, 1))) / np.where(std > 0, std, 1.0)
+        return const.astype(np.float32)
 
     def _nan_error(self, record: int, t0: int, window: np.ndarray) -> ArrayDataError:
         bad = np.isnan(window).reshape(window.shape[0], -1, window.shape[-1])
@@ -405,7 +416,7 @@ class GriddedWindowSource(ArraySource):
             if missing.any():
                 if self.nan == "error":
                     raise self._nan_error(record, t0, window)
-                window = np.where(missing, np.float32(self.nan_fill), window)
+                window = np.where(missing, self.nan_fill, window)
                 if self.mask_name:
                     out[self.mask_name][i] = self._lay_out(
                         ~missing[self.input_steps:]).astype(out[self.mask_name].dtype)

@@ -25,7 +25,9 @@ Invariants:
   train split's NaN-aware statistics (GriddedWindowSource.channel_statistics), kept in
   run.dir/normalization.json as TrajectoryTask keeps its own.
 - With data.nan: mask the loss and `eval_loss` are means over the valid target points
-  only (the mask field, 1 where the target was not NaN).
+  only (the mask field, 1 where the target was not NaN). With data.normalize and data.nan
+  mask or fill, a NaN becomes its channel's train mean (0 in model units), not
+  data.nan_fill.
 """
 
 from __future__ import annotations
@@ -109,10 +111,14 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
     def _source(self, split: str, shuffle: bool, target_steps: int | None = None
                 ) -> GriddedWindowSource:
         fields = self.batch_fields() if target_steps is None else self._fields(target_steps)
+        d = self.cfg.data
+        fill = None
+        if d.normalize and d.nan != "error" and not self.__dict__.get("_in_statistics"):
+            fill = self.normalization()[0]      # NaN -> the channel's mean: 0 in model units
         return GriddedWindowSource.from_config(
             self.cfg, split, fields, input_name=self.input_name, target_name=self.target_name,
-            mask_name=self.mask_name if self.cfg.data.nan == "mask" else None,
-            shuffle=shuffle, target_steps=target_steps)
+            mask_name=self.mask_name if d.nan == "mask" else None,
+            shuffle=shuffle, target_steps=target_steps, nan_fill=fill)
 
     def data_incomplete(self) -> bool:
         return False
@@ -132,7 +138,11 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
         self.grid()
 
     def _stored_normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        stats = self.train_source().channel_statistics()
+        self._in_statistics = True           # statistics skip NaN: no fill needed
+        try:
+            stats = self.train_source().channel_statistics()
+        finally:
+            self._in_statistics = False
         if np.any(stats["count"] == 0):
             empty = [n for n, k in zip(self.channels(), stats["count"]) if k == 0]
             raise ConfigError(f"data.normalize: channel(s) {empty} hold no valid value in the "

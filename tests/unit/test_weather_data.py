@@ -336,3 +336,52 @@ def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
     with pytest.raises(ArrayDataError) as e:
         WindowSource.from_config(cfg, "test", fields, "{split}/w", **kw)
     assert "data.fields.u=w has no {split}" in one_line(e)
+
+
+# --------------------------------------------------------------------- end to end
+
+CONFIG = """\
+task: tests.helpers.weather_task:TinyWeatherTask
+run: {{dir: {run}, log_every: 1, progress: false}}
+model: {{rollout_steps: 2}}
+train: {{steps: 6, batch_size: 8, eval_every: 3}}
+optimizer: {{lr: 1.0e-3}}
+data:
+  source: netcdf
+  path: {data}
+  variables: [sst, t2m, {{geopotential: [500, 850]}}]
+  constants: [lsm, latitude]
+  splits: {{train: {{end: 2000-12-31}}, test: {{start: 2001-01-01}}}}
+  nan: mask
+  normalize: true
+  eval_batches: 2
+  window: {{input_steps: 1, target_steps: 1, stride: 1}}
+checkpoint: {{every: 3, persistent_every: 3}}
+"""
+
+
+@pytest.mark.slow
+def test_mask_trains_finite_on_two_ranks(tmp_path):
+    """SST with NaN over land, data.nan: mask, data.normalize: `spmd data info` prints the
+    channel table; `spmd run -n 2` trains with finite losses and evaluates."""
+    import json
+
+    from tests.helpers.env import REPO, clean_env, run_spmd
+
+    data = tmp_path / "sst"
+    write_era5_years(data, (2000, 2001), zlib_year=None, sst=True)
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.format(run=tmp_path / "run", data=data))
+    env = clean_env(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO))
+    info = run_spmd("data", "info", str(config), env=env, cwd=REPO)
+    assert info.returncode == 0, info.stderr[-3000:]
+    assert "geopotential_850" in info.stdout and "lsm" in info.stdout
+    assert "split test (2001-01-01T00:00 .. end): 363 windows" in info.stdout
+    r = run_spmd("run", "-n", "2", str(config), env=env, cwd=REPO, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines() if x]
+    losses = [x["loss"] for x in records if "loss" in x]
+    evals = [x["eval_loss"] for x in records if "eval_loss" in x]
+    assert len(losses) == 6 and np.isfinite(losses).all() and max(losses) < 50
+    assert len(evals) == 3 and np.isfinite(evals).all()
