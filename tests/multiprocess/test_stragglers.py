@@ -1,19 +1,27 @@
 """Straggler detection in real 2-rank runs (`spmd run -n 2`): rank 1 slowed on purpose by the
 test-only fault SPMD_TEST_SLOW_RANK is named (events.jsonl, metrics.jsonl, `spmd report`);
-an even run names no one."""
+an even run names no one. Rank 1 of a third run is frozen half of every second (SIGSTOP,
+SIGCONT): its stalls fall inside collectives, where every rank's host time grows alike
+(issue 38), and it is named for the share of the time it did not run."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.checkpoint_worker import events, train
-from tests.helpers.env import require, run_spmd
+from tests.helpers.checkpoint_worker import REPO, _env, events, train, train_cmd
+from tests.helpers.env import require, run_spmd, side_by_side
 from tests.helpers.fault_injection import fault_env
 from tests.helpers.records import read_jsonl
+from tests.multiprocess.test_launch_run import rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +30,51 @@ RUN = (f"train.steps={STEPS}", f"run.log_every={LOG_EVERY}", "run.plots=false",
        "checkpoint.every=0")
 
 
+FROZEN = ("train.steps=150", "run.log_every=10", "run.plots=false", "checkpoint.every=0")
+
+
+def frozen_run(run_dir: Path) -> subprocess.CompletedProcess:
+    """A 2-rank run whose rank 1 is stopped for 0.5 s of every second once it trains."""
+    proc = subprocess.Popen(train_cmd(2, run_dir, *FROZEN), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(1))
+
+    def freeze() -> None:
+        while proc.poll() is None and not events(run_dir, "compiled"):
+            time.sleep(0.1)
+        pid = rank_pids(run_dir).get(1)
+        while pid is not None and proc.poll() is None:
+            for sig in (signal.SIGSTOP, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.5)
+
+    freezer = threading.Thread(target=freeze, daemon=True)
+    freezer.start()
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    freezer.join(timeout=5)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Two 2-rank runs, one after the other (timings of one would disturb the other's)."""
+    """Three 2-rank runs: the slowed and the frozen side by side (a frozen rank leaves the
+    CPU to the other job half the time), then the even one alone."""
     require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
     root = tmp_path_factory.mktemp("stragglers")
-    out = {}
-    for name, faults in (("slowed", fault_env(slow_rank=f"1:{SLOW_S}")), ("even", {})):
-        proc = train(2, root / name, *RUN, devices=1, **faults)
+    slowed, frozen = side_by_side(
+        lambda: train(2, root / "slowed", *RUN, devices=1, **fault_env(slow_rank=f"1:{SLOW_S}")),
+        lambda: frozen_run(root / "frozen"))
+    even = train(2, root / "even", *RUN, devices=1)
+    for proc in (slowed, frozen, even):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        out[name] = root / name
-    return out
+    return {name: root / name for name in ("slowed", "frozen", "even")}
 
 
 def train_records(run_dir: Path) -> list[dict]:
@@ -69,6 +111,25 @@ def test_an_even_run_names_no_one(runs):
     assert events(run_dir, "straggler") == []
     logged = [r for r in train_records(run_dir) if "slowest_rank" in r]
     assert [r["step"] for r in logged] == list(range(2 * LOG_EVERY, STEPS + 1, LOG_EVERY))
-    assert all(r["host_step_s_max"] < SLOW_S for r in logged)
+    # no rank apart by the slowed rank's margin (a loaded machine slows both alike)
+    assert all(r["host_step_s_max"] - r["host_step_s_min"] < SLOW_S for r in logged), logged
     text = run_spmd("report", str(run_dir))
     assert text.returncode == 0 and "stragglers: none named" in text.stdout, text.stderr
+
+
+def test_a_rank_frozen_half_of_every_second_is_named_for_not_running(runs):
+    """Its host step time is no longer than the other's (both wait inside collectives); the
+    share of the time it did not run is about one half, the other rank's about none."""
+    run_dir = runs["frozen"]
+    started = {e["rank"]: e["host"] for e in events(run_dir, "started")}
+    named = events(run_dir, "straggler")
+    assert named and {e["rank"] for e in named} == {1}, named
+    event = named[0]
+    assert event["cause"] == "stalled" and event["host"] == started[1]
+    assert 0.3 < event["stalled_share"] < 0.8, event        # half of every second
+    assert event["median_stalled_share"] < 0.6 * event["stalled_share"], event
+    logs = (run_dir / "logs" / "rank00000.log").read_text()
+    assert "straggler: rank 1 on" in logs and "did not run" in logs
+    report = run_spmd("report", str(run_dir))
+    assert report.returncode == 0, report.stderr
+    assert f"rank 1 on {started[1]}: named" in report.stdout and "did not run" in report.stdout
