@@ -52,6 +52,8 @@ from spmd.launch.recovery import (
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 LEASE_NAME = "lease.json"     # spmd.rundir.lease's file (this layer may not import it)
 HUNG_NAME = "HUNG"            # spmd.comm.hang_watchdog's report of a hang
+GRACE_S = 10.0   # a rank died by a signal: the others may end on their own this long
+POLL_S = 15.0    # between two looks at the scheduler's node states during a try
 
 
 def say(msg: str) -> None:
@@ -69,6 +71,7 @@ class Supervisor:
         self.launcher, self.command, self.plan = launcher, command, plan
         self.proc: subprocess.Popen | None = None
         self.signalled: int | None = None
+        self.grace_s, self.poll_s = GRACE_S, POLL_S
 
     # ------------------------------------------------------------ signals
 
@@ -87,11 +90,11 @@ class Supervisor:
 
     # ------------------------------------------------------------ tries
 
-    def _try(self, argv: list[str], attempt: int) -> tuple[int, str]:
+    def _try(self, argv: list[str], attempt: int, started: float) -> tuple[int, str]:
         env = {**os.environ, "SPMD_RECOVERY_ATTEMPT": str(attempt)}
         tail: deque[str] = deque(maxlen=400)
         self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True,
-                                     errors="replace")
+                                     errors="replace", start_new_session=True)
 
         def pump() -> None:
             assert self.proc is not None and self.proc.stderr is not None
@@ -102,14 +105,65 @@ class Supervisor:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        while True:
-            try:
-                status = self.proc.wait()
-                break
-            except InterruptedError:   # pragma: no cover (PEP 475 retries)
-                continue
+        status = self._watch(self.proc, tail, started)
         reader.join(5.0)
         return (128 - status if status < 0 else status), "".join(tail)
+
+    def _watch(self, proc: subprocess.Popen, tail: deque[str], started: float) -> int:
+        """Wait for the try; end it when it is broken but its ranks have not noticed: a rank
+        the launcher reports dead by a signal while the others still run `grace_s` later (a
+        peer on another host may wait for the heartbeat timeout), or a host the try's ranks
+        run on (their `started` records) that the scheduler reports down (checked every
+        `poll_s`)."""
+        broken_at: float | None = None
+        next_poll = time.monotonic() + self.poll_s
+        aborted = False
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            if aborted or self.signalled is not None:
+                continue
+            now = time.monotonic()
+            if broken_at is None and killed_from_launcher("".join(tail)):
+                broken_at = now
+            if self.poll_s and now >= next_poll:
+                next_poll = now + self.poll_s
+                hosts = sorted({str(e["host"]) for e in read_records(self.run_dir, started)
+                                if e.get("event") == "started" and "host" in e})
+                down = node_state.down_hosts(self.scheduler, hosts) if hosts else []
+                if down:
+                    say(f"{', '.join(down)} of this try is down for the scheduler: ending the "
+                        "try")
+                    aborted = self._abort(proc)
+                    continue
+            if broken_at is not None and now - broken_at >= self.grace_s:
+                say(f"a rank died and the others still run {self.grace_s:g} s later: ending "
+                    "the try")
+                aborted = self._abort(proc)
+
+    def _abort(self, proc: subprocess.Popen) -> bool:
+        """End a broken try: srun aborts its step on two SIGINTs within a second (SIGKILL to
+        every task); other launchers, and an srun still there 10 s later, get SIGKILL with
+        their process group."""
+        if self.scheduler == "slurm":
+            for _ in range(2):
+                try:
+                    proc.send_signal(signal.SIGINT)
+                except OSError:
+                    return True
+                time.sleep(0.2)
+            try:
+                proc.wait(timeout=10.0)
+                return True
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        return True
 
     def _record(self, record: dict) -> None:
         path = self.run_dir / RECORDS_NAME
@@ -156,7 +210,7 @@ class Supervisor:
                           "job_id": job_identity(os.environ)[0]})
             say(f"try {attempt}: {state.nodes} node(s) x {plan.ranks_per_node} rank(s)"
                 + (f", leaving out {', '.join(state.excluded)}" if state.excluded else ""))
-            status, stderr = self._try(argv, attempt)
+            status, stderr = self._try(argv, attempt, started)
             ended = time.time()
             if status == 0 and self.signalled is None:
                 return 0
@@ -207,6 +261,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--elastic", choices=("requeue", "shrink"), default="requeue")
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--retry-errors", action="store_true")
+    p.add_argument("--grace", type=float, default=GRACE_S, metavar="S",
+                   help="end a try whose other ranks still run S seconds after the launcher "
+                        "reported one dead by a signal")
+    p.add_argument("--poll", type=float, default=POLL_S, metavar="S",
+                   help="seconds between looks at the scheduler's node states during a try "
+                        "(0: only after it)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- each rank's command")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -227,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"the allocation has {len(hosts)} host(s) ({', '.join(hosts)}), fewer than the "
             f"{args.nodes} to train on")
     sup = Supervisor(args.scheduler, args.run_dir, args.launcher, args.command, plan)
+    sup.grace_s, sup.poll_s = args.grace, args.poll
     sup.install()
     return sup.run()
 

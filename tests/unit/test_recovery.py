@@ -261,6 +261,8 @@ with open(os.path.join(os.environ["FAKE_RUN_DIR"], "events.jsonl"), "a") as fh:
     for e in t.get("events", []):
         fh.write(json.dumps({"time": time.time(), **e}) + "\n")
 sys.stderr.write(t.get("stderr", ""))
+sys.stderr.flush()
+time.sleep(t.get("hang", 0))   # survivors that do not notice the dead rank
 deadline = time.time() + t.get("wait", 0)
 while time.time() < deadline and not got:
     time.sleep(0.02)
@@ -529,3 +531,27 @@ def test_report_times_each_recovery_against_the_jobs():
     table = format_ledger(ledger, [row])
     assert "0->1 4.0 s relaunch" in table   # from the last record to the new start
     assert "  queue               0.0 s" in table and "  relaunch            4.0 s" in table
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_a_try_whose_survivors_do_not_notice_a_dead_rank_is_ended(bindir, tmp_path):
+    hangs = {**NODE_DIES, "hang": 60}
+    t0 = time.monotonic()
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun -N{nodes}", [hangs, FINISHES], "--max-restarts", "1",
+        "--grace", "1", "--poll", "0", env={"SLURM_JOB_NODELIST": "n[1-3]"})
+    assert code == 0 and time.monotonic() - t0 < 30, err
+    assert "a rank died and the others still run 1 s later: ending the try" in err
+    decision = records(run_dir)[1]
+    assert (decision["kind"], decision["failed_rank"]) == ("process_lost", 1), decision
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_a_host_the_scheduler_reports_down_ends_the_try(bindir, tmp_path):
+    hangs = {**NODE_DIES, "stderr": "", "hang": 60}
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun -N{nodes}", [hangs, FINISHES], "--max-restarts", "1",
+        "--poll", "0.5", env={"SLURM_JOB_NODELIST": "n[1-3]", "STUB_OUT_sinfo": "n2 down*\n"})
+    assert code == 0, err
+    assert "n2 of this try is down for the scheduler: ending the try" in err
+    assert calls(tmp_path, "srun")[1].startswith("srun --exclude=n2"), calls(tmp_path, "srun")
