@@ -4,6 +4,12 @@ The metrics are computed exactly as the trainer's evaluation computes them (the 
 eval step, the model in eval mode and any `rngs` from a fixed key, over the same fixed
 batches of `data.eval_batches` x `train.batch_size` examples),
 so evaluating the last step of a run reproduces the last evaluation in its metrics.jsonl.
+
+Weather scores: a task whose eval metrics hold latitude-weighted mean squared errors
+(`lat_mse_<channel>_<lead>`, `persistence_lat_mse_<channel>_<lead>`: a TrajectoryTask whose
+`latitudes()` is not None, or any task that returns spmd.scores.weather.weather_scores) gets
+their square roots, `lat_rmse_*` and `persistence_lat_rmse_*`, taken after the mean over
+every eval batch: WeatherBench2's RMSE, the model's next to persistence's (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from spmd.engine.runtime import build_runtime
 from spmd.errors import SpmdError
 from spmd.inference.loading import Trained
 from spmd.loop.builtin_hooks import evaluate
+from spmd.scores.weather import finish_scores
 
 SPLITS = ("test", "train")
 
@@ -36,4 +43,4 @@ def evaluate_split(trained: Trained, split: str = "test") -> dict[str, float]:
     rt = build_runtime(EngineSections.of(cfg), trained.mesh, task)
     assert rt.eval_step is not None
     source = task.eval_source() if split == "test" else task.train_source()
-    return evaluate(rt, trained.params, None, source)
+    return finish_scores(evaluate(rt, trained.params, None, source))

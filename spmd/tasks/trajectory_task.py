@@ -55,6 +55,7 @@ from spmd.data.normalization import compute_statistics, load_statistics
 from spmd.data.stores import ArrayDataError, is_member_name, write_arrays
 from spmd.data.windows import WindowSource
 from spmd.errors import ConfigError
+from spmd.scores.weather import weather_scores
 from spmd.tasks.base import ModelCfg, Task
 from spmd.tasks.field_task import relative_l2, run_normalization
 from spmd.tasks.figures import last_rollout_errors, plot_rollout_error
@@ -382,7 +383,35 @@ class TrajectoryTask(Task[ModelCfg]):
                    "test_rel_l2": jnp.mean(relative_l2(preds[0], truths[0]))}
         for k, (p, t) in enumerate(zip(preds, truths), 1):
             metrics[rollout_key(k, steps)] = jnp.mean(relative_l2(p, t))
+        metrics.update(self.weather_metrics(preds, truths, batch))
         return metrics
+
+    def latitudes(self) -> np.ndarray | None:
+        """Latitude in degrees of each row of a frame's first spatial axis, or None (the
+        default: the frames lie on no latitude-longitude grid). With latitudes the evaluation
+        adds latitude-weighted scores per channel and lead (`weather_metrics`)."""
+        return None
+
+    def channel_names(self) -> list[str] | None:
+        """Names of the frame channels in metric keys (default None: c0, c1, ...)."""
+        return None
+
+    def weather_metrics(self, preds: list, truths: list, batch) -> dict:
+        """With `latitudes()`: `lat_mse_<channel>_<lead>` of the rollout and
+        `persistence_lat_mse_<channel>_<lead>` of the last input frame held fixed, in
+        physical units (spmd.scores.weather.weather_scores; `spmd eval` reports their square
+        roots, lat_rmse_*). NaN truths, and points where a `mask_name` field is 0, are left
+        out. {} without latitudes."""
+        lat = self.latitudes()
+        if lat is None:
+            return {}
+        c, steps, w = self.frame_channels(), len(preds), self.window()
+        initial = batch[self.input_name][..., (w.input_steps - 1) * c:w.input_steps * c]
+        mask = batch.get(getattr(self, "mask_name", None) or "", None)
+        if mask is not None:
+            mask = jnp.stack([mask[..., k * c:(k + 1) * c] for k in range(steps)], 1) > 0
+        return weather_scores(preds, truths, initial, lat, channels=self.channel_names(),
+                              mask=mask)
 
     def sample_outputs(self, model, batch) -> dict:
         steps, c = self.rollout_steps(), self.frame_channels()

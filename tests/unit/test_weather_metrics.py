@@ -232,3 +232,61 @@ def test_against_xarray_weighted_means():
                   * (oa_**2).weighted(weights).mean(spatial, skipna=True))
     np.testing.assert_allclose(wm.acc(f, t, clim, LAT), (num / den).mean("time").values,
                                rtol=1e-12)
+
+
+def test_a_trajectory_task_with_latitudes_scores_its_rollout_and_persistence(tmp_path):
+    """TrajectoryTask.eval_metrics adds lat_mse / persistence_lat_mse per channel and lead
+    when the task has latitudes (a NaN truth left out), and nothing without them."""
+    from spmd.config.schema import Config, DataConfig, RunConfig, TrainConfig
+    from spmd.data.data_config import WindowConfig
+    from spmd.tasks.trajectory_task import TrajectoryTask
+
+    class Grid(TrajectoryTask):
+        lat = LAT_INNER
+
+        def build_model(self, rngs):
+            raise NotImplementedError
+
+        def frame_shape(self):
+            return (5, 4, 2)
+
+        def make_trajectories(self, count, seed):
+            raise NotImplementedError
+
+        def rollout_steps(self):
+            return 2
+
+        def latitudes(self):
+            return self.lat
+
+        def channel_names(self):
+            return ["t2m", "z500"]
+
+    cfg = Config(data=DataConfig(window=WindowConfig(input_steps=2, target_steps=1, stride=1)),
+                 train=TrainConfig(batch_size=3), run=RunConfig(dir=tmp_path / "run"))
+    task = Grid(cfg)
+    x = fields(20, (3, 5, 4, 4))                  # two input frames of 2 channels
+    y = fields(21, (3, 5, 4, 4))                  # two target frames
+    y[0, 1, 1, 2] = np.nan                        # lead 2, channel t2m: left out
+
+    def model(inputs):
+        return 0.5 * inputs[..., 2:]
+
+    metrics = jax.jit(lambda b: task.eval_metrics(model, b))(
+        {"input": jnp.asarray(x), "target": jnp.asarray(y)})
+    lead1 = 0.5 * x[..., 2:]
+    lead2 = 0.25 * x[..., 2:]
+    forecast = np.stack([lead1, lead2], 1)
+    truth = np.stack([y[..., :2], y[..., 2:]], 1)
+    want = wm.mse(forecast, truth, LAT_INNER)
+    persisted = wm.mse(np.stack([x[..., 2:]] * 2, 1), truth, LAT_INNER)
+    for k in (1, 2):
+        for i, c in enumerate(("t2m", "z500")):
+            assert float(metrics[f"lat_mse_{c}_{k}"]) == pytest.approx(want[k - 1, i], rel=1e-5)
+            assert float(metrics[f"persistence_lat_mse_{c}_{k}"]) == pytest.approx(
+                persisted[k - 1, i], rel=1e-5)
+    assert np.isfinite(float(metrics["lat_mse_t2m_2"]))
+    Grid.lat = None
+    assert not any(k.startswith(("lat_", "persistence_")) for k in jax.eval_shape(
+        lambda b: task.eval_metrics(model, b),
+        {"input": jnp.asarray(x), "target": jnp.asarray(np.nan_to_num(y))}))
