@@ -1,6 +1,10 @@
 """`spmd data make|info|stats CONFIG [key=value ...]`: make data.path (solve the config's PDE
 dataset), describe it, or compute the per-channel statistics that data.normalize uses.
 
+With data.variables (gridded weather / climate files) `info` prints the timeline, the
+splits and the channel table, and `stats` the NaN-aware statistics per channel of the
+decoded values (rank 0 computes them; nothing is stored: the task computes its own).
+
 `stats` runs in one process or on every rank of a job (mpiexec, srun):
 rank r reads its contiguous share of the records, the ranks exchange their partial
 statistics as JSON (spmd.comm.RankGroup) and rank 0 merges and stores them beside the data
@@ -73,6 +77,7 @@ def run_stats(args: argparse.Namespace) -> int:
     """`spmd data stats`: this rank's share, exchanged and merged; rank 0 writes and prints."""
     from spmd.config.load import build_task, load_config
     from spmd.data.arrays import ArraySource
+    from spmd.data.gridded_windows import GriddedWindowSource
     from spmd.data.normalization import (
         data_fingerprint,
         merge_statistics,
@@ -96,6 +101,10 @@ def run_stats(args: argparse.Namespace) -> int:
             raise SpmdError(f"task {cfg.task} keeps no data on disk (its {args.split} source "
                             f"is a {type(source).__name__}): there is nothing to compute "
                             f"statistics of")
+        if isinstance(source, GriddedWindowSource):
+            if env.rank == 0:
+                print(_channel_stats(source, args.json))
+            return 0
         stamp, part = None, None
         try:
             plan = source.statistics_plan()
@@ -177,6 +186,23 @@ def _table(target: Any, split: str, entries: dict) -> str:
             channel = str(c) if e["per_channel"] else "all"
             lines.append(f"{dataset:<24} {channel:>7} {e['count'][c]:>12} {e['mean'][c]:>13.6g} "
                          f"{e['std'][c]:>13.6g} {e['min'][c]:>13.6g} {e['max'][c]:>13.6g}")
+    return "\n".join(lines)
+
+
+def _channel_stats(source: Any, as_json: bool) -> str:
+    """The NaN-aware per-channel statistics of a gridded source's split (data.variables:
+    decoded values, over every time of its windows), as a table or one JSON object."""
+    stats = source.channel_statistics()
+    names = [c.name for c in source.channels]
+    if as_json:
+        return json.dumps({"data": str(source.path), "split": source.split, "channels": {
+            n: {k: float(v[i]) for k, v in stats.items()} for i, n in enumerate(names)}})
+    lines = [f"statistics of split {source.split} of {source.path} (NaN left out)",
+             f"{'channel':<24} {'count':>12} {'mean':>13} {'std':>13} {'min':>13} {'max':>13}"]
+    for i, name in enumerate(names):
+        lines.append(f"{name:<24} {int(stats['count'][i]):>12} {stats['mean'][i]:>13.6g} "
+                     f"{stats['std'][i]:>13.6g} {stats['min'][i]:>13.6g} "
+                     f"{stats['max'][i]:>13.6g}")
     return "\n".join(lines)
 
 

@@ -377,6 +377,11 @@ def test_mask_trains_finite_on_two_ranks(tmp_path):
     assert info.returncode == 0, info.stderr[-3000:]
     assert "geopotential_850" in info.stdout and "lsm" in info.stdout
     assert "split test (2001-01-01T00:00 .. end): 363 windows" in info.stdout
+    stats = run_spmd("data", "stats", str(config), "--json", env=env, cwd=REPO)
+    assert stats.returncode == 0, stats.stderr[-3000:]
+    sst = json.loads(stats.stdout.splitlines()[-1])["channels"]["sst"]
+    sea = int((~land(*grid())).sum())
+    assert sst["count"] == 366 * sea and np.isfinite(sst["mean"])   # land NaN left out
     r = run_spmd("run", "-n", "2", str(config), env=env, cwd=REPO, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
