@@ -118,3 +118,65 @@ def plot_rollout_error(lead_error: np.ndarray, path: Path, dt: float | None = No
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def last_weather_scores(metrics: Path) -> tuple[int, dict[str, dict[str, np.ndarray]]] | None:
+    """(step, {channel: {"model": RMSE per lead, "persistence": RMSE per lead}}) of the last
+    evaluation in a run's metrics.jsonl that holds latitude-weighted scores
+    (`lat_mse_<channel>_<lead>`, `persistence_lat_mse_<channel>_<lead>`: the square roots
+    of their means, spmd.scores.weather), or None when none does."""
+    found = None
+    try:
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue                     # a line cut by a kill: skip it
+                if any(k.startswith("lat_mse_") for k in record):
+                    found = record
+    except OSError:
+        return None
+    if found is None:
+        return None
+    table: dict[str, dict[str, dict[int, float]]] = {}
+    for key, value in found.items():
+        for prefix, kind in (("persistence_lat_mse_", "persistence"), ("lat_mse_", "model")):
+            if key.startswith(prefix):
+                channel, _, lead = key[len(prefix):].rpartition("_")
+                table.setdefault(channel, {}).setdefault(kind, {})[int(lead)] = float(value)
+                break
+    out = {c: {kind: np.sqrt([v[k] for k in sorted(v)]) for kind, v in kinds.items()}
+           for c, kinds in table.items()}
+    return int(found.get("step", -1)), out
+
+
+def plot_weather_rmse(step: int, scores: dict[str, dict[str, np.ndarray]], path: Path,
+                      dt: float | None = None) -> Path:
+    """Latitude-weighted RMSE against lead, one panel per channel: the model (solid) and
+    persistence (dashed), from `last_weather_scores`."""
+    import matplotlib.pyplot as plt
+
+    names = list(scores)
+    cols = min(len(names), 3)
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.0 * rows), dpi=100,
+                             squeeze=False)
+    for ax, name in zip(axes.ravel(), names):
+        for kind, style in (("model", "o-"), ("persistence", "s--")):
+            values = scores[name].get(kind)
+            if values is not None:
+                leads = np.arange(1, len(values) + 1)
+                ax.plot(leads * dt if dt else leads, values, style, ms=3, label=kind)
+        ax.set_title(name)
+        ax.set_xlabel("lead time" if dt else "lead (model steps)")
+        ax.set_ylabel("lat-weighted RMSE")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes.ravel()[len(names):]:
+        ax.set_visible(False)
+    fig.suptitle(f"Latitude-weighted RMSE against persistence (evaluation at step {step})")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -58,7 +58,12 @@ from spmd.errors import ConfigError
 from spmd.scores.weather import weather_scores
 from spmd.tasks.base import ModelCfg, Task
 from spmd.tasks.field_task import relative_l2, run_normalization
-from spmd.tasks.figures import last_rollout_errors, plot_rollout_error
+from spmd.tasks.figures import (
+    last_rollout_errors,
+    last_weather_scores,
+    plot_rollout_error,
+    plot_weather_rmse,
+)
 
 log = logging.getLogger("spmd.tasks.trajectory_task")
 
@@ -437,4 +442,7 @@ class TrajectoryTask(Task[ModelCfg]):
                                           [rollout_key(k, steps) for k in range(1, steps + 1)])
             made.append(plot_rollout_error(np.asarray(sample["lead_error"]),
                                            out / "rollout_error.png", self.dt(), overall))
+        weather = last_weather_scores(out.parent / "metrics.jsonl")
+        if weather is not None:         # a task with latitudes(): model against persistence
+            made.append(plot_weather_rmse(*weather, out / "lat_rmse.png", self.dt()))
         return [p for p in made if p is not None]

@@ -290,3 +290,27 @@ def test_a_trajectory_task_with_latitudes_scores_its_rollout_and_persistence(tmp
     assert not any(k.startswith(("lat_", "persistence_")) for k in jax.eval_shape(
         lambda b: task.eval_metrics(model, b),
         {"input": jnp.asarray(x), "target": jnp.asarray(np.nan_to_num(y))}))
+
+
+def test_the_rollout_figure_reads_the_last_evaluations_scores(tmp_path):
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from spmd.tasks.figures import last_weather_scores, plot_weather_rmse
+
+    metrics = tmp_path / "metrics.jsonl"
+    first = {"step": 0, "lat_mse_t2m_1": 9.0, "persistence_lat_mse_t2m_1": 4.0}
+    last = {"step": 50, "eval_loss": 0.1, **{f"lat_mse_{c}_{k}": float(k * k) for c in
+                                             ("t2m", "z_500") for k in (1, 2, 3)},
+            **{f"persistence_lat_mse_{c}_{k}": 4.0 * k * k for c in ("t2m", "z_500")
+               for k in (1, 2, 3)}}
+    metrics.write_text(json.dumps(first) + "\n" + json.dumps(last) + "\n" + '{"step": 5')
+    step, scores = last_weather_scores(metrics)
+    assert step == 50 and sorted(scores) == ["t2m", "z_500"]
+    np.testing.assert_allclose(scores["z_500"]["model"], [1, 2, 3])
+    np.testing.assert_allclose(scores["t2m"]["persistence"], [2, 4, 6])
+    png = plot_weather_rmse(step, scores, tmp_path / "lat_rmse.png", dt=6.0)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert last_weather_scores(tmp_path / "none.jsonl") is None
