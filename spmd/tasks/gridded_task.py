@@ -24,10 +24,11 @@ Invariants:
 - With data.normalize the frames (not the constants) are normalized per channel with the
   train split's NaN-aware statistics (GriddedWindowSource.channel_statistics), kept in
   run.dir/normalization.json as TrajectoryTask keeps its own.
-- With data.nan: mask the loss and `eval_loss` are means over the valid target points
-  only (the mask field, 1 where the target was not NaN). With data.normalize and data.nan
-  mask or fill, a NaN becomes its channel's train mean (0 in model units), not
-  data.nan_fill.
+- The loss and `eval_loss` are weighted by cos(latitude) (normalized to mean 1;
+  `latitude_weighted_loss = False` turns it off). With data.nan: mask they are means over
+  the valid target points only (the mask field, 1 where the target was not NaN). With
+  data.normalize and data.nan mask or fill, a NaN becomes its channel's train mean (0 in
+  model units), not data.nan_fill.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
 
     state_name = "channels"
     mask_name = "target_mask"
+    latitude_weighted_loss: bool = True     # weight the loss by cos(latitude), mean 1
 
     # ------------------------------------------------------------ layout
 
@@ -81,6 +83,18 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
     def channels(self) -> list[str]:
         """The channel names, in order."""
         return [c.name for c in parse_channels(self.cfg.data.variables)]
+
+    def latitudes(self) -> np.ndarray:
+        """The frames' latitudes (degrees, in the frame's row order): the evaluation adds
+        latitude-weighted scores per channel and lead (TrajectoryTask.weather_metrics)."""
+        return np.asarray(self.grid().lat, np.float64)
+
+    def channel_names(self) -> list[str]:
+        return self.channels()
+
+    def dt(self) -> float:
+        """Hours between two frames (one model step)."""
+        return float(self.grid().step / np.timedelta64(1, "h"))
 
     def frame_shape(self) -> tuple[int, ...]:
         g = self.grid()
@@ -179,10 +193,19 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
 
     def _masked_mse(self, pred: jax.Array, target: jax.Array, mask: jax.Array | None
                     ) -> jax.Array:
+        """Mean squared error over the valid points (mask), weighted by cos(latitude)
+        normalized to mean 1 when `latitude_weighted_loss`."""
         err = (pred - target) ** 2
-        if mask is None:
-            return jnp.mean(err)
-        return jnp.sum(err * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        weight = jnp.ones(err.shape[1:2], err.dtype)
+        if self.latitude_weighted_loss:
+            w = np.cos(np.deg2rad(self.latitudes()))
+            weight = jnp.asarray(w / w.mean(), err.dtype)
+        weight = jnp.broadcast_to(weight[:, None, None], err.shape[1:])
+        if mask is not None:
+            weight = weight * mask
+        else:
+            weight = jnp.broadcast_to(weight, err.shape)
+        return jnp.sum(err * weight) / jnp.maximum(jnp.sum(weight), 1e-12)
 
     def loss(self, model, batch):
         steps = self.window().target_steps
@@ -193,11 +216,11 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
     def eval_metrics(self, model, batch) -> dict:
         metrics = super().eval_metrics(model, batch)
         mask = batch.get(self.mask_name)
-        if mask is not None:
-            c = self.frame_channels()
-            pred = self.rollout(model, batch[self.input_name], 1)[0]
-            truth = self._scaled(batch[self.target_name][..., :c], True)
-            metrics["eval_loss"] = self._masked_mse(pred, truth, mask[..., :c])
+        c = self.frame_channels()
+        pred = self.rollout(model, batch[self.input_name], 1)[0]
+        truth = self._scaled(batch[self.target_name][..., :c], True)
+        metrics["eval_loss"] = self._masked_mse(pred, truth,
+                                                None if mask is None else mask[..., :c])
         return metrics
 
     def sample_outputs(self, model, batch) -> dict:

@@ -390,3 +390,5 @@ def test_mask_trains_finite_on_two_ranks(tmp_path):
     evals = [x["eval_loss"] for x in records if "eval_loss" in x]
     assert len(losses) == 6 and np.isfinite(losses).all() and max(losses) < 50
     assert len(evals) == 3 and np.isfinite(evals).all()
+    last = [x for x in records if "eval_loss" in x][-1]
+    assert np.isfinite(last["lat_mse_sst_1"]) and np.isfinite(last["persistence_lat_mse_t2m_1"])
