@@ -314,6 +314,10 @@ def check_complete(path: Path, where: str) -> None:
         return                                   # missing: the caller's error names it
     info = superblock(head)
     if info is None:
+        if 0 < len(head) < 48 and HDF5_SIGNATURE.startswith(head[:8]):
+            raise ArrayDataError(f"{where}: the file ends inside its HDF5 superblock ({size} "
+                                 f"bytes): it is being written or copied; rerun once it is "
+                                 f"complete")
         return
     if info["open_for_write"]:
         raise ArrayDataError(

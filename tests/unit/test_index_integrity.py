@@ -154,6 +154,10 @@ def test_a_file_cut_short_is_refused(tmp_path):
                                              r"copied"):
         load_index(cut, f"data.path={cut}")
     assert load_index(whole, "data.path").members[0].path == whole
+    cut.write_bytes(whole.read_bytes()[:20])                   # not even a whole superblock
+    with pytest.raises(ArrayDataError, match=r"cut\.nc: the file ends inside its HDF5 "
+                                             r"superblock \(20 bytes\)"):
+        load_index(cut, f"data.path={cut}")
 
 
 def test_a_file_that_changes_while_it_is_indexed_is_named(tmp_path):
@@ -181,12 +185,12 @@ def test_a_change_between_two_looks_is_named(tmp_path):
     """What content_stamp, the index and the statistics check after reading a store: a Zarr
     store (its metadata files) or a file whose size or mtime moved."""
     path = tmp_path / "store.zarr"
-    xr.Dataset({"t2m": (("time",), np.arange(4.0))}).to_zarr(path)
+    xr.Dataset({"t2m": (("time",), np.arange(4.0))}).to_zarr(path, consolidated=False)
     stamp = content_stamp(path)
     assert stamp["files"] >= 2 and len(stamp["sha1"]) == 40
     before = fingerprint(path)
     check_unchanged(path, before, "data.path", "while it was read")     # unchanged: passes
-    xr.Dataset({"t2m": (("time",), np.arange(6.0))}).to_zarr(path, mode="w")
+    xr.Dataset({"t2m": (("time",), np.arange(6.0))}).to_zarr(path, mode="w", consolidated=False)
     with pytest.raises(ArrayDataError, match=r"changed while it was read \(mtime_ns"):
         check_unchanged(path, before, f"data.path: file {path}", "while it was read")
 
