@@ -493,7 +493,7 @@ def test_the_slurm_script_relaunches_or_requeues(bindir, tmp_path, spares, expec
         assert len(sruns) == 2 and "--exclude=n1" in sruns[1] and not requeues, r.stderr
     else:
         assert len(sruns) == 1 and requeues == ["scontrol requeue 55"], r.stderr
-        assert "no spare node left" in r.stderr
+        assert "no spare node left" in r.stderr and "no restart left in this job" in r.stderr
 
 
 # ---------------------------------------------------------------- spmd report
