@@ -165,3 +165,23 @@ params = nnx.to_pure_dict(nnx.state(model))
             got = [z[f"arr_{i}"] for i in range(len(z.files))]
         assert len(got) == len(loaded), name
         assert all(a.tobytes() == b.tobytes() for a, b in zip(got, loaded)), name
+
+
+@pytest.mark.slow
+def test_every_runnable_doc_snippet_runs_verbatim_after_the_main_job(main_job):
+    """Issue 36: each ```python snippet of README.md and docs/ that is not marked `# not run`
+    runs as written (tests/helpers/doc_snippets.py), page by page in order, in the main job's
+    directory, after the README's `spmd export runs/fno_darcy exported/`."""
+    from tests.helpers.doc_snippets import all_snippets, pages_script
+
+    clone, env = main_job.clone, main_job.env
+    r = subprocess.run([sys.executable, "-m", "spmd.cli", "export", "runs/fno_darcy",
+                        "exported/"], cwd=clone, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-5000:]
+    program, pages = pages_script()
+    r = subprocess.run([sys.executable, "-c", program, pages], cwd=clone, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    ran = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("ran ")]
+    assert ran == [s.where for s in all_snippets() if s.runnable]
