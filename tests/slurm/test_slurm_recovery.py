@@ -5,8 +5,9 @@
   starts the ranks again in the same job, they restore the last checkpoint and finish; Slurm
   never requeues the job, and `spmd report` shows the recovery with its seconds.
 - An exception in the task on every rank (tests/helpers/failing_task.py): an error in the
-  code, not a lost node. With launch.retry_errors it is tried again once, never past
-  launch.max_restarts, and the job ends FAILED with that error in its output.
+  code, not a lost node. With launch.max_restarts=2 it is not tried again (launch.retry_errors
+  is off; with it on, the same error twice ends the job: tests/unit/test_recovery.py), and the
+  job ends FAILED with that error in its output.
 
 Node loss with spares (srun --exclude) needs several nodes: tests/multinode.
 """
@@ -151,7 +152,7 @@ def test_a_killed_rank_is_relaunched_inside_the_job(slurm_cluster, tmp_path):  #
 def test_an_error_in_the_task_is_not_retried_past_max_restarts(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
     job = submit(slurm_cluster, run_dir, "task=tests.helpers.failing_task:FailingTask",
-                 "launch.max_restarts=1", "launch.retry_errors=true")
+                 "launch.max_restarts=2")
     try:
         info = slurm_cluster.wait_finished(job, timeout=300)
         log = output(run_dir, job)
@@ -159,9 +160,9 @@ def test_an_error_in_the_task_is_not_retried_past_max_restarts(slurm_cluster, tm
         records = jsonl(run_dir / "recovery.jsonl")
         launches = [r for r in records if r["event"] == "launch"]
         decisions = [r for r in records if r["event"] == "recovery"]
-        assert len(launches) <= 2, records   # the first try and at most one restart
-        assert decisions[-1]["action"] == "stop" and decisions[-1]["kind"] in (
-            "error", "user_error"), decisions
+        assert len(launches) == 1 and len(decisions) == 1, records   # no restart
+        assert (decisions[0]["action"], decisions[0]["kind"]) == ("stop", "error"), decisions
+        assert decisions[0]["failed_rank"] == 0 and "retry_errors" in decisions[0]["cause"]
         status = decisions[-1]["status"]
         assert status not in (0, int(ExitCode.PREEMPTED), int(ExitCode.HUNG))
         assert info["ExitCode"].split(":")[0] == str(status), (info, decisions)
