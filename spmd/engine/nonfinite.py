@@ -6,17 +6,27 @@ not. A checkpoint holds the form of the job that saved it, so a job whose mode d
 the previous job's (the run's config.yaml) restores onto the saved form
 (`nonfinite_restore_target`) and converts the result to its own (`nonfinite_switched`).
 Checkpoints of either mode, including those written before this module, restore under both.
+
+The previous job's mode names the form of the steps that job saved, not of older ones: a
+restore that falls back to an older step (the newest is damaged, or a node-local tier was
+lost) may meet the other form. `restore_any_form` restores onto the predicted form first and,
+when that fails, onto the other one, so such a step restores too (and is converted).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["nonfinite_restore_target", "nonfinite_switched"]
+__all__ = ["form_of", "nonfinite_restore_target", "nonfinite_switched", "restore_any_form"]
+
+log = logging.getLogger("spmd.engine")
+R = TypeVar("R")
 
 
 def nonfinite_restore_target(abstract: Any, saved: str | None) -> Any:
@@ -56,3 +66,30 @@ def nonfinite_switched(state: Any, abstract: Any) -> Any:
         total_notfinite=jax.device_put(jnp.zeros((), jnp.int32),
                                        target.total_notfinite.sharding),
         inner_state=state.opt_state))
+
+
+def form_of(state: Any) -> str:
+    """The `train.nonfinite` mode whose form `state`'s optimizer state has: skip or stop."""
+    return "skip" if isinstance(state.opt_state, optax.ApplyIfFiniteState) else "stop"
+
+
+def restore_any_form(restore: Callable[[Any], R], abstract: Any, saved: str | None,
+                     errors: tuple[type[BaseException], ...]) -> tuple[R, Any]:
+    """`restore(target)` onto the form that `saved` (the previous job's mode; None: unknown)
+    predicts, and, when that raises one of `errors` (a fallback to an older step saved in
+    the other mode: the optimizer state's tree differs), onto the other form. Returns the
+    result and the target it was restored onto (convert it with `nonfinite_switched`).
+    When both fail, the first error is raised: the other form was only a guess."""
+    first = nonfinite_restore_target(abstract, saved)
+    try:
+        return restore(first), first
+    except errors as error:
+        other = nonfinite_restore_target(abstract, "stop" if form_of(first) == "skip"
+                                         else "skip")
+        log.info("restoring onto the optimizer state of train.nonfinite=%s failed (%s); "
+                 "trying the train.nonfinite=%s form (an older step saved in the other mode)",
+                 form_of(first), str(error).splitlines()[0][:200], form_of(other))
+        try:
+            return restore(other), other
+        except errors:
+            raise error from None

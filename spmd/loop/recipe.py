@@ -39,7 +39,7 @@ from spmd.checkpoint import Checkpointer, CheckpointError, Restored
 from spmd.config.schema import Config, migrate_deprecated
 from spmd.data.order import FULL_SHUFFLE
 from spmd.engine.engine_config import EngineSections
-from spmd.engine.nonfinite import nonfinite_restore_target, nonfinite_switched
+from spmd.engine.nonfinite import form_of, nonfinite_switched, restore_any_form
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import ADDED_FIELDS, fill_ema, train_rng
 from spmd.errors import ConfigError
@@ -170,17 +170,18 @@ def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | No
     # the checkpoint holds the optimizer state in the previous job's train.nonfinite form
     saved = ((_previous_config(run_dir) or {}).get("train") or {}).get("nonfinite", "stop")
     abstract = rt.state.abstract
-    target = nonfinite_restore_target(abstract, saved if previous else None)
-    try:
-        restored = checkpointer.restore(target, optional=ADDED_FIELDS,
-                                        **({} if target is abstract else {"saves": abstract}))
+    try:   # an older step (a fallback) may be in the other form: restore_any_form
+        restored, target = restore_any_form(
+            lambda t: checkpointer.restore(t, optional=ADDED_FIELDS,
+                                           **({} if t is abstract else {"saves": abstract})),
+            abstract, saved if previous else None, (CheckpointError,))
         if restored is not None and target is not abstract:
             restored = dataclasses.replace(restored,
                                            state=nonfinite_switched(restored.state, abstract))
             if is_main:
                 log.info("train.nonfinite %s -> %s: the optimizer state of step %d is "
-                         "restored into this job's form", saved, cfg.train.nonfinite,
-                         restored.step)
+                         "restored into this job's form", form_of(target),
+                         cfg.train.nonfinite, restored.step)
     except CheckpointError as e:
         if not params_only:
             raise
