@@ -11,6 +11,10 @@ The previous job's mode names the form of the steps that job saved, not of older
 restore that falls back to an older step (the newest is damaged, or a node-local tier was
 lost) may meet the other form. `restore_any_form` restores onto the predicted form first and,
 when that fails, onto the other one, so such a step restores too (and is converted).
+Left: the local tier skips a copy whose layout is not the predicted form's (it does not
+fail), so after two switches of mode and a job that ended before its first save, an older
+local step of the predicted form may be restored in place of a newer one of the other
+form (logged as "local checkpoint skipped"); a record of each step's form would close it.
 """
 
 from __future__ import annotations
