@@ -60,6 +60,11 @@ _HINTS: list[tuple[re.Pattern, str]] = [
      "AxisType.Explicit axes and traces under jax.set_mesh, the mesh context it needs "
      "(docs/sharding.md, 'Explicit sharding'); or name logical axes instead "
      "(spmd.constrain / with_axes) or pass NamedShardings"),
+    (re.compile(r"could not be resolved unambiguously|acts as an assert when all axes"),
+     "under mesh.axis_types=explicit every operation needs an unambiguous sharding: pass "
+     "out_sharding=P(...) where JAX asks (or jax.sharding.reshard instead of a sharding "
+     "constraint), or train this model with mesh.axis_types=auto (spmd's own models and "
+     "models annotated with logical names are written for auto)"),
 ]
 
 

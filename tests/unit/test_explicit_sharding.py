@@ -198,3 +198,18 @@ def test_load_eval_predict_export_and_plan_work_on_the_run(workdir, trained):
     cfg = load_config(trained / "config.yaml")
     plan = make_plan(cfg, build_mesh(cfg.mesh, jax.devices()))
     assert plan.as_json()["collectives"]
+
+
+def test_a_model_written_for_auto_under_explicit_gets_a_hint_to_go_back():
+    """spmd's own Transformer (an embedding gather with no out_sharding) on an explicit
+    mesh: the framed error says what explicit mode asks, and mesh.axis_types=auto."""
+    from spmd.config.load import load_config as load
+    from tests.helpers.env import REPO
+
+    cfg = load(REPO / "configs" / "transformer_tiny.yaml",
+               ["mesh.strategy=fsdp_tp", "mesh.axis_types=explicit"])
+    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()),
+                       build_task(cfg))
+    with pytest.raises(ModelError) as e:
+        rt.train_step.lower(rt.state.abstract, rt.abstract_batch())
+    assert "out_sharding=P(...)" in str(e.value) and "mesh.axis_types=auto" in str(e.value)
