@@ -47,6 +47,12 @@ NO_RETRY = {int(ExitCode.USER_ERROR), int(ExitCode.DOES_NOT_FIT), int(ExitCode.N
             int(ExitCode.LEASE_LOST), int(ExitCode.INTERRUPTED)}
 ENDS = ("finished", "preempted", "stopped", "failed")
 REQUEUE_STATUS = int(ExitCode.HUNG)   # the job script requeues on it "as after a failed node"
+# what a survivor's collective or coordination client raises when a peer process or host is
+# gone: not an error in the code (gloo/NCCL transport errors, JAX's coordination service)
+COMM_ERROR = re.compile(
+    r"connection (reset|refused|closed)|broken pipe|socket closed|gloo|nccl|rccl|"
+    r"heartbeat|unhealthy|DEADLINE_EXCEEDED|UNAVAILABLE|coordination service|"
+    r"failed to connect|peer .*(gone|closed|lost)|task .* (died|is dead)", re.I)
 
 
 # ---------------------------------------------------------------- host lists
@@ -98,7 +104,9 @@ class Outcome:
     status: int                                   # the launcher's exit status (signal: 128+N)
     records: list[dict] = field(default_factory=list)   # events.jsonl records of this try
     killed_ranks: dict[int, str] = field(default_factory=dict)  # rank -> how (the launcher's)
+    exited_ranks: set[int] = field(default_factory=set)   # ranks the launcher saw exit
     down_hosts: list[str] = field(default_factory=list)   # hosts the scheduler reports down
+    failed_nodes: list[str] = field(default_factory=list)  # nodes the launcher reports failed
     signalled: bool = False                       # the supervisor got a stop/warning signal
     started_at: float = 0.0
     ended_at: float = 0.0
@@ -112,6 +120,19 @@ class Outcome:
         failed = sorted((e for e in self.records if e.get("event") == "failed"),
                         key=lambda e: (not e.get("first", False), float(e.get("time", 0))))
         return failed[0] if failed else None
+
+    def vanished_hosts(self) -> list[str]:
+        """Hosts none of whose ranks is accounted for (an exit the launcher saw, a death by a
+        signal it reported, an end record), when the launcher reports exits at all: a node,
+        or its network, that went away with every rank on it."""
+        if not self.exited_ranks:
+            return []
+        ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
+        seen = ended | self.exited_ranks | set(self.killed_ranks)
+        by_host: dict[str, list[int]] = {}
+        for rank, host in self.hosts_of_ranks().items():
+            by_host.setdefault(host, []).append(rank)
+        return [h for h, ranks in by_host.items() if not seen.intersection(ranks)]
 
     def silent_ranks(self) -> list[int]:
         """Ranks that started but wrote no end record (killed, or ended by a watchdog)."""
@@ -142,22 +163,33 @@ def read_records(run_dir: Path, since: float) -> list[dict]:
     return out
 
 
-_TASK_LINE = re.compile(r"task (\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*): (Killed|Terminated|"
+_TASK_LINE = re.compile(r"tasks? (\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*): (Killed|Terminated|"
                         r"Segmentation fault|Aborted|Bus error|Out Of Memory|[A-Z][a-z ]+)")
+
+
+def _task_lines(text: str) -> list[tuple[int, str]]:
+    out = []
+    for m in _TASK_LINE.finditer(text):
+        for part in m.group(1).split(","):
+            a, _, b = part.partition("-")
+            out += [(r, m.group(2).strip()) for r in range(int(a), int(b or a) + 1)]
+    return out
 
 
 def killed_from_launcher(text: str) -> dict[int, str]:
     """Ranks srun reports dead by a signal ('srun: error: n1: task 1: Killed'), rank -> how."""
-    out: dict[int, str] = {}
-    for m in _TASK_LINE.finditer(text):
-        how = m.group(2).strip()
-        if how.startswith("Exited"):
-            continue
-        for part in m.group(1).split(","):
-            a, _, b = part.partition("-")
-            for r in range(int(a), int(b or a) + 1):
-                out[r] = how
-    return out
+    return {r: how for r, how in _task_lines(text) if not how.startswith("Exited")}
+
+
+def exited_from_launcher(text: str) -> set[int]:
+    """Ranks srun saw exit with a status ('task 0: Exited with exit code 69'): their host was
+    there to report it."""
+    return {r for r, how in _task_lines(text) if how.startswith("Exited")}
+
+
+def failed_nodes_from_launcher(text: str) -> list[str]:
+    """Nodes srun reports failed ('srun: error: Node failure on n3')."""
+    return list(dict.fromkeys(re.findall(r"Node failure on (\S+)", text)))
 
 
 # ---------------------------------------------------------------- the decision
@@ -222,13 +254,17 @@ def classify(out: Outcome, plan: Plan, state: State) -> Decision:
         return Decision("exit", "done", "the ranks finished", 0)
     if out.signalled or st == int(ExitCode.PREEMPTED):
         return Decision("exit", "preempted", "the ranks saved and stopped (a signal)", st)
-    down = [h for h in out.down_hosts if h in used or not hosts]
+    down = [h for h in dict.fromkeys([*out.down_hosts, *out.failed_nodes])
+            if h in used or not hosts]
+    why = "is down for the scheduler"
+    if not down and out.vanished_hosts():
+        down = out.vanished_hosts()
+        why = "vanished with every rank on it (no exit status from the launcher)"
     if down:
         ranks = sorted(r for r, h in hosts.items() if h in down)
         first = ranks[0] if ranks else None
         when = out.last_record_time(ranks) if ranks else None
-        return Decision("relaunch", "node_lost",
-                        f"node {', '.join(down)} is down for the scheduler"
+        return Decision("relaunch", "node_lost", f"node {', '.join(down)} {why}"
                         + (f" (ranks {', '.join(map(str, ranks))})" if ranks else ""), st,
                         failed_rank=first, failed_hosts=tuple(down), failed_at=when)
     failed = out.announced()
@@ -242,8 +278,13 @@ def classify(out: Outcome, plan: Plan, state: State) -> Decision:
                             failed_hosts=(host,) if host else (), failed_at=when)
         if code == int(ExitCode.HUNG):
             return Decision("relaunch", "hung", line, code, failed_rank=rank, failed_at=when)
-        return Decision("relaunch", "error", line, code, failed_rank=rank,
-                        failed_hosts=(host,) if host else (), failed_at=when)
+        if not out.killed_ranks:
+            if COMM_ERROR.search(str(failed["error"])):   # a peer gone, seen by a survivor
+                return Decision("relaunch", "process_lost", f"{line} (a lost peer: the "
+                                "error is the network's, not the code's)", st,
+                                failed_rank=rank, failed_at=when)
+            return Decision("relaunch", "error", line, code, failed_rank=rank,
+                            failed_hosts=(host,) if host else (), failed_at=when)
     hung = [e for e in out.records if e.get("event") == "hung"]
     if hung or st == int(ExitCode.HUNG):
         line = str(hung[0].get("line") or "no step within launch.step_timeout_s") if hung \

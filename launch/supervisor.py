@@ -45,6 +45,8 @@ from spmd.launch.recovery import (
     apply,
     choose_hosts,
     decide,
+    exited_from_launcher,
+    failed_nodes_from_launcher,
     killed_from_launcher,
     read_records,
 )
@@ -126,7 +128,8 @@ class Supervisor:
             if aborted or self.signalled is not None:
                 continue
             now = time.monotonic()
-            if broken_at is None and killed_from_launcher("".join(tail)):
+            if broken_at is None and (killed_from_launcher(text := "".join(tail))
+                                      or failed_nodes_from_launcher(text)):
                 broken_at = now
             if self.poll_s and now >= next_poll:
                 next_poll = now + self.poll_s
@@ -139,8 +142,8 @@ class Supervisor:
                     aborted = self._abort(proc)
                     continue
             if broken_at is not None and now - broken_at >= self.grace_s:
-                say(f"a rank died and the others still run {self.grace_s:g} s later: ending "
-                    "the try")
+                say(f"a rank or node died and the others still run {self.grace_s:g} s later: "
+                    "ending the try")
                 aborted = self._abort(proc)
 
     def _abort(self, proc: subprocess.Popen) -> bool:
@@ -217,7 +220,9 @@ class Supervisor:
             down = (node_state.down_hosts(self.scheduler, plan.hosts)
                     if plan.hosts and self.signalled is None else [])
             outcome = Outcome(status=status, records=read_records(self.run_dir, started),
-                              killed_ranks=killed_from_launcher(stderr), down_hosts=down,
+                              killed_ranks=killed_from_launcher(stderr),
+                              exited_ranks=exited_from_launcher(stderr),
+                              failed_nodes=failed_nodes_from_launcher(stderr), down_hosts=down,
                               signalled=self.signalled is not None, started_at=started,
                               ended_at=ended)
             d = decide(outcome, plan, state)

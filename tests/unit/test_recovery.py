@@ -28,7 +28,9 @@ from spmd.launch.recovery import (
     State,
     apply,
     decide,
+    exited_from_launcher,
     expand_hostlist,
+    failed_nodes_from_launcher,
     killed_from_launcher,
 )
 
@@ -56,9 +58,17 @@ def test_hostlists_expand_as_slurm_and_flux_write_them():
 def test_srun_s_report_of_killed_tasks_names_the_ranks():
     text = ("srun: error: n2: task 1: Killed\nsrun: error: n1: task 0: Exited with exit code 69\n"
             "srun: error: n3: tasks 4-5: Segmentation fault\n")
-    assert killed_from_launcher(text) == {1: "Killed"}
+    assert killed_from_launcher(text) == {1: "Killed", 4: "Segmentation fault",
+                                          5: "Segmentation fault"}
     assert killed_from_launcher("srun: error: n3: task 4-5: Aborted") == {4: "Aborted",
                                                                            5: "Aborted"}
+
+
+def test_srun_s_report_of_exits_and_node_failures():
+    text = ("srun: error: n1: tasks 0-1: Exited with exit code 1\n"
+            "srun: error: Node failure on n3\nsrun: error: n2: task 2: Killed\n")
+    assert exited_from_launcher(text) == {0, 1}
+    assert failed_nodes_from_launcher(text) == ["n3"]
 
 
 def test_max_restarts_defaults_from_the_spares():
@@ -130,6 +140,31 @@ def test_retry_errors_retries_once_but_never_the_same_error_twice():
     again = four_nodes_ranks() + [failed(6, "n4", "OSError: stale file handle", 1)]
     d2 = decide(Outcome(status=1, records=again), p, state)
     assert (d2.action, d2.status) == ("stop", 1) and "same error" in d2.cause
+
+
+def test_a_survivor_s_network_error_is_a_lost_peer_not_an_error_in_the_code():
+    gloo = ("JaxRuntimeError: INTERNAL: Gloo all-reduce failed: [../third_party/gloo/"
+            "transport/tcp/pair.cc:534] Connection reset by peer")
+    records = four_nodes_ranks() + [failed(0, "n1", gloo, 1)]
+    d = decide(Outcome(status=1, records=records), plan(), State(nodes=4))
+    assert (d.action, d.kind) == ("relaunch", "process_lost") and "lost peer" in d.cause
+    # a rank the launcher saw die by a signal: the others' errors follow from it
+    records = four_nodes_ranks() + [failed(0, "n1", "ValueError: x", 1)]
+    d = decide(Outcome(status=1, records=records, killed_ranks={3: "Killed"}), plan(),
+               State(nodes=4))
+    assert (d.action, d.kind, d.failed_rank) == ("relaunch", "process_lost", 3)
+
+
+def test_a_host_whose_ranks_all_vanished_is_left_out():
+    out = Outcome(status=1, records=four_nodes_ranks(), exited_ranks={0, 1, 2, 3, 6, 7})
+    d = decide(out, plan(), State(nodes=4))
+    assert (d.action, d.kind, d.exclude) == ("relaunch", "node_lost", ("n3",))
+    assert "vanished with every rank on it" in d.cause and d.failed_rank == 4
+    out = Outcome(status=1, records=four_nodes_ranks(), failed_nodes=["n2"])
+    assert decide(out, plan(), State(nodes=4)).exclude == ("n2",)
+    # a launcher that reports no exits (mpiexec, flux run): nothing is guessed
+    d = decide(Outcome(status=1, records=four_nodes_ranks()), plan(), State(nodes=4))
+    assert d.kind == "process_lost" and d.exclude == ()
 
 
 def test_config_and_data_errors_are_never_retried():
@@ -541,7 +576,7 @@ def test_a_try_whose_survivors_do_not_notice_a_dead_rank_is_ended(bindir, tmp_pa
         tmp_path, bindir, "slurm", "srun -N{nodes}", [hangs, FINISHES], "--max-restarts", "1",
         "--grace", "1", "--poll", "0", env={"SLURM_JOB_NODELIST": "n[1-3]"})
     assert code == 0 and time.monotonic() - t0 < 30, err
-    assert "a rank died and the others still run 1 s later: ending the try" in err
+    assert "a rank or node died and the others still run 1 s later: ending the try" in err
     decision = records(run_dir)[1]
     assert (decision["kind"], decision["failed_rank"]) == ("process_lost", 1), decision
 
