@@ -6,8 +6,15 @@
    async, same state, same run; target: spmd / Orbax <= 1.0 for the local tier).
 3. Persistent-tier write throughput (Orbax save + our fsync + checksum manifest, i.e. until
    the step is committed) vs a raw sequential write + fsync of the same number of bytes to
-   the same directory (target: >= 0.7).
-4. `--train-steps N`: training throughput with checkpoints every `--every` steps vs
+   the same directory (target: >= 0.7), and vs Orbax's own write of the same state (a plain
+   `CheckpointManager`, save + wait_until_finished, nothing else; target: >= 1.0).
+   Where the persistent tier's time goes is reported per phase (`persistent_phases`).
+4. Restore from the persistent tier (spmd's whole restore: planning, manifest check, Orbax's
+   read with its chunk checksums) vs Orbax's own restore of its step vs a raw read of the
+   same bytes (target: spmd / Orbax restore throughput >= 1.0). Every restore reads cold:
+   the step's files are flushed and dropped from the page cache first (posix_fadvise), as
+   after a restart on another node.
+5. `--train-steps N`: training throughput with checkpoints every `--every` steps vs
    checkpoints off (target >= 0.95 when every x step time >= the background write time),
    and with Orbax's own async save at the same steps, in rotating windows of N steps.
    `--model 760m` (any size of benchmarks/gpu_mfu.py's ladder) trains the real transformer.
@@ -44,6 +51,8 @@ BLOCKING_TARGET = 0.2       # async blocking / sync blocking
 ORBAX_TARGET = 1.0          # spmd local-tier blocking / Orbax async-save blocking
 TRAIN_TARGET = 0.95         # steps/s with checkpoints / steps/s without
 THROUGHPUT_TARGET = 0.7     # persistent-tier bytes/s / raw write+fsync bytes/s
+ORBAX_WRITE_TARGET = 1.0    # persistent-tier bytes/s / Orbax's own write bytes/s
+RESTORE_TARGET = 1.0        # spmd persistent restore bytes/s / Orbax restore bytes/s
 
 
 def make_state(total_mb: int):
@@ -103,6 +112,11 @@ class OrbaxAsync:
         self.manager.save(step, args=self.ocp.args.PyTreeSave(state), force=True)
         return time.perf_counter() - t0
 
+    def restore(self, step: int, abstract):
+        ocp = self.ocp
+        return self.manager.restore(step, args=ocp.args.PyTreeRestore(
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)))
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -111,6 +125,7 @@ class OrbaxAsync:
 
 
 def raw_write(path: Path, nbytes: int, block: bytes) -> float:
+    """Seconds to write `nbytes` sequentially and fsync them (the file stays, for raw_read)."""
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes
@@ -120,9 +135,30 @@ def raw_write(path: Path, nbytes: int, block: bytes) -> float:
             left -= n
         f.flush()
         os.fsync(f.fileno())
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return dt
+    return time.perf_counter() - t0
+
+
+def raw_read(path: Path, block: int = 32 << 20) -> float:
+    """Seconds to read `path` sequentially, cold (its pages dropped first), into a buffer."""
+    evict(path)
+    buf = bytearray(block)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+def evict(root: Path) -> None:
+    """Drop the (clean, fsynced) pages of the files under `root` from the page cache, so that
+    the next read comes from the disk, as after a restart."""
+    for p in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,11 +225,14 @@ def run(args: argparse.Namespace, base: Path) -> int:
     for ck in (ck_async, ck_sync, ck_pers):   # start-up: layout, buffers (as in training)
         ck.restore(abstract)
     orbax = OrbaxAsync(base / "orbax")
+    orbax_write = OrbaxAsync(base / "orbax-write")   # save + wait, nothing in between
     results: dict[str, list[float]] = {k: [] for k in (
         "async_blocking_s", "async_total_s", "sync_blocking_s", "persistent_blocking_s",
         "persistent_total_s", "persistent_orbax_s", "persistent_bytes", "raw_s",
         "orbax_blocking_s", "orbax_total_s", "async_next_step_s", "orbax_next_step_s",
-        "plain_step_s")}
+        "plain_step_s", "orbax_write_s", "persistent_restore_s", "orbax_restore_s",
+        "raw_read_s")}
+    phases: dict[str, list[float]] = {}
     step = 0
     for rep in range(args.reps + 1):     # round 0 warms up (compiles, Orbax start-up)
         step += 1
@@ -236,14 +275,45 @@ def run(args: argparse.Namespace, base: Path) -> int:
         orbax.wait()
         orbax_total = time.perf_counter() - t6
         del fresh
+        fresh = _bump(state)
+        jax_block(fresh)
+        os.sync()
+        t7 = time.perf_counter()
+        orbax_write.save(step, fresh)
+        orbax_write.wait()
+        orbax_write_s = time.perf_counter() - t7
+        del fresh
         os.sync()
         raw = raw_write(base / "raw.bin", pers_bytes, block)
+        # restores, cold: spmd's whole restore of the persistent step, Orbax's own, raw read
+        evict(base / "pers" / "checkpoints" / str(step))
+        t8 = time.perf_counter()
+        got = ck_pers.restore(abstract)
+        jax_block(got.state)
+        pers_restore = time.perf_counter() - t8
+        assert (got.step, got.source) == (step, "persistent"), (got.step, got.source)
+        del got
+        evict(base / "orbax-write" / str(step))
+        t9 = time.perf_counter()
+        jax_block(orbax_write.restore(step, abstract))
+        orbax_restore = time.perf_counter() - t9
+        read = raw_read(base / "raw.bin")
+        (base / "raw.bin").unlink()
         saved = [e for e in pers_events.records if e["event"] == "saved" and e["step"] == step]
         # from the start of Orbax's save (in our background thread) until it finished
-        orbax_write = saved[-1]["orbax_start_s"] + saved[-1]["orbax_wait_s"]
+        orbax_write_in_tier = saved[-1]["orbax_start_s"] + saved[-1]["orbax_wait_s"]
         if rep == 0:
             continue
-        results["persistent_orbax_s"].append(orbax_write)
+        for key in ("orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s"):
+            phases.setdefault(key, []).append(saved[-1].get(key, 0.0))
+        phases.setdefault("other_s", []).append(
+            (t5 - t3) - sum(saved[-1].get(k, 0.0) for k in (
+                "orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s")))
+        results["orbax_write_s"].append(orbax_write_s)
+        results["persistent_restore_s"].append(pers_restore)
+        results["orbax_restore_s"].append(orbax_restore)
+        results["raw_read_s"].append(read)
+        results["persistent_orbax_s"].append(orbax_write_in_tier)
         results["orbax_blocking_s"].append(orbax_blocking)
         results["orbax_total_s"].append(orbax_total)
         results["async_next_step_s"].append(async_next)
@@ -257,6 +327,7 @@ def run(args: argparse.Namespace, base: Path) -> int:
     for ck in (ck_async, ck_sync, ck_pers):
         ck.close()
     orbax.close()
+    orbax_write.close()
     snapshot_mode = ck_async.snapshotter.mode
     train = train_throughput(args, base, state) if args.train_steps else None
 
@@ -266,6 +337,11 @@ def run(args: argparse.Namespace, base: Path) -> int:
     ratio_blocking = paired_ratios(results["async_blocking_s"], results["sync_blocking_s"])
     ratio_tput = paired_ratios(results["raw_s"], results["persistent_total_s"])
     ratio_orbax = paired_ratios(results["raw_s"], results["persistent_orbax_s"])
+    ratio_vs_orbax_write = paired_ratios(results["orbax_write_s"], results["persistent_total_s"])
+    ratio_orbax_own = paired_ratios(results["raw_s"], results["orbax_write_s"])
+    ratio_restore = paired_ratios(results["orbax_restore_s"], results["persistent_restore_s"])
+    ratio_restore_raw = paired_ratios(results["raw_read_s"], results["persistent_restore_s"])
+    ratio_orbax_restore_raw = paired_ratios(results["raw_read_s"], results["orbax_restore_s"])
     ratio_local_orbax = paired_ratios(results["async_blocking_s"], results["orbax_blocking_s"])
     # what a save costs the step loop in all: blocking plus the next step's extra time
     # (zero-copy views make the next donating step allocate fresh buffers)
@@ -281,10 +357,13 @@ def run(args: argparse.Namespace, base: Path) -> int:
     nb = statistics.median(results["persistent_bytes"])
     blocking, tput = statistics.median(ratio_blocking), statistics.median(ratio_tput)
     vs_orbax = statistics.median(ratio_local_orbax)
+    vs_orbax_write = statistics.median(ratio_vs_orbax_write)
+    restore = statistics.median(ratio_restore)
     verdict = None
     if not args.short:
         ok = (blocking <= BLOCKING_TARGET and tput >= THROUGHPUT_TARGET
-              and vs_orbax <= ORBAX_TARGET
+              and vs_orbax <= ORBAX_TARGET and vs_orbax_write >= ORBAX_WRITE_TARGET
+              and restore >= RESTORE_TARGET
               and (train is None or train["ratio"] >= TRAIN_TARGET or not train["write_fits"]))
         verdict = "PASS" if ok else "FAIL"
     record = {
@@ -304,6 +383,22 @@ def run(args: argparse.Namespace, base: Path) -> int:
         "throughput_ratio_persistent_over_raw": {**stats(ratio_tput),
                                                  "target": f">= {THROUGHPUT_TARGET}"},
         "throughput_ratio_orbax_write_over_raw": stats(ratio_orbax),
+        "orbax_own_write_s": stats(results["orbax_write_s"]),
+        "orbax_own_write_MBps": round(nb / statistics.median(results["orbax_write_s"]) / 1e6,
+                                      1),
+        "throughput_ratio_persistent_over_orbax_write": {
+            **stats(ratio_vs_orbax_write), "target": f">= {ORBAX_WRITE_TARGET}"},
+        "throughput_ratio_orbax_own_write_over_raw": stats(ratio_orbax_own),
+        "persistent_phases": {k: stats(v) for k, v in phases.items()},
+        "persistent_restore_s": stats(results["persistent_restore_s"]),
+        "orbax_restore_s": stats(results["orbax_restore_s"]),
+        "raw_read_s": stats(results["raw_read_s"]),
+        "restore_MBps": {k: round(nb / statistics.median(results[f"{k}_s"]) / 1e6, 1)
+                         for k in ("persistent_restore", "orbax_restore", "raw_read")},
+        "restore_ratio_persistent_over_orbax": {**stats(ratio_restore),
+                                                "target": f">= {RESTORE_TARGET}"},
+        "restore_ratio_persistent_over_raw": stats(ratio_restore_raw),
+        "restore_ratio_orbax_over_raw": stats(ratio_orbax_restore_raw),
         "orbax_async_blocking_s": stats(results["orbax_blocking_s"]),
         "orbax_async_total_s": stats(results["orbax_total_s"]),
         "blocking_ratio_local_over_orbax": {**stats(ratio_local_orbax),
@@ -324,12 +419,21 @@ def run(args: argparse.Namespace, base: Path) -> int:
                 "blocking_ratio_persistent_over_orbax", "plain_step_s", "async_next_step_s",
                 "orbax_next_step_s", "save_cost_local_s", "save_cost_orbax_s",
                 "save_cost_ratio_local_over_orbax", "throughput_ratio_persistent_over_raw",
-                "throughput_ratio_orbax_write_over_raw"):
+                "throughput_ratio_orbax_write_over_raw", "orbax_own_write_s",
+                "throughput_ratio_persistent_over_orbax_write",
+                "throughput_ratio_orbax_own_write_over_raw", "persistent_restore_s",
+                "orbax_restore_s", "raw_read_s", "restore_ratio_persistent_over_orbax",
+                "restore_ratio_persistent_over_raw", "restore_ratio_orbax_over_raw"):
         r = record[key]
         rows.append((key, f"{r['median']:.4f}", f"[{r['min']:.4f}, {r['max']:.4f}]",
                      r.get("target", "")))
-    for key in ("persistent_MBps", "orbax_write_MBps", "raw_MBps"):
+    for key, r in record["persistent_phases"].items():
+        rows.append((f"persistent phase {key}", f"{r['median']:.4f}",
+                     f"[{r['min']:.4f}, {r['max']:.4f}]", ""))
+    for key in ("persistent_MBps", "orbax_write_MBps", "orbax_own_write_MBps", "raw_MBps"):
         rows.append((key, f"{record[key]:.1f}", "", ""))
+    for key, value in record["restore_MBps"].items():
+        rows.append((f"{key}_MBps", f"{value:.1f}", "", ""))
     print(f"checkpoint benchmark ({record['mode']}): state {nbytes / 2**20:.0f} MiB on {where}, "
           f"{args.reps} interleaved reps after a warm-up, writing under {base.parent}")
     print(table(rows))
@@ -338,7 +442,10 @@ def run(args: argparse.Namespace, base: Path) -> int:
     else:
         print(f"{verdict}: blocking ratio {blocking:.3f} (target <= {BLOCKING_TARGET}), "
               f"local/Orbax blocking {vs_orbax:.3f} (target <= {ORBAX_TARGET}), "
-              f"persistent/raw throughput {tput:.3f} (target >= {THROUGHPUT_TARGET})")
+              f"persistent/raw throughput {tput:.3f} (target >= {THROUGHPUT_TARGET}), "
+              f"persistent/Orbax write throughput {vs_orbax_write:.3f} (target >= "
+              f"{ORBAX_WRITE_TARGET}), persistent/Orbax restore throughput {restore:.3f} "
+              f"(target >= {RESTORE_TARGET})")
     if train is not None:
         print(f"training throughput ({train['model']}) with checkpoints every {train['every']} "
               f"steps / without: {train['ratio']:.3f}, with Orbax's async save instead: "

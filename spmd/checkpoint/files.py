@@ -3,7 +3,8 @@
 Every checkpoint file this package writes is either written under a temporary name and renamed
 after an fsync, or lives in a directory that is renamed into place after its contents were
 fsynced; a reader never sees a half-written file under a final name. Checksums are zlib's
-crc32 (about 2 GB/s on one core, faster than the disks it guards; hex in manifests).
+crc32 (about 2 GB/s on one core; hex in manifests) and, for the persistent tier, crc32c
+(google-crc32c, which zarr requires: hardware crc32c, about 10 GB/s on one core).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import google_crc32c
 
 from spmd.checkpoint.interface import CheckpointError
 
@@ -38,6 +41,26 @@ def hex32(value: int) -> str:
 def crc32(buf: Any, value: int = 0) -> int:
     """crc32 of a buffer (bytes, memoryview, contiguous numpy array), continuing from `value`."""
     return zlib.crc32(buf, value)
+
+
+def crc32c(buf: bytes, value: int = 0) -> int:
+    """crc32c of `buf` (bytes: google-crc32c takes no memoryview), continuing from `value`."""
+    return google_crc32c.extend(value, buf if isinstance(buf, bytes) else bytes(buf))
+
+
+def crc32c_file(path: Path, fsync: bool = False) -> tuple[int, int]:
+    """(crc32c, bytes read) of the whole file `path`; with `fsync`, also flush it to disk."""
+    value, total = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(READ_CHUNK)
+            if not data:
+                break
+            value = google_crc32c.extend(value, data)
+            total += len(data)
+        if fsync:
+            os.fsync(f.fileno())
+    return value, total
 
 
 def crc32_file(path: Path, offset: int = 0, nbytes: int | None = None,

@@ -490,6 +490,7 @@ class HierarchicalCheckpointer:
                            files=decision["files"], seconds=round(decision["seconds"], 4),
                            orbax_start_s=round(started, 4),
                            orbax_wait_s=round(decision["orbax_s"], 4),
+                           **decision.get("phases", {}),
                            dropped=decision["dropped"], **timing)
 
         worker.submit(step, job)

@@ -9,12 +9,17 @@ hold one item, `default`, with the whole state; they restore as before. Steps wr
 a field was added to the state (the RNG key) restore when the caller names that field
 optional: it comes back as None, for the caller to fill.
 
-Orbax does not checksum data, so after Orbax has finalized a step every process crc32s the
-files it wrote (`ocdbt.process_<i>/`, `array_metadatas/process_<i>`; rank 0 the rest), rank 0
-gathers them and writes
-`<step>/spmd_manifest.json`. A step counts as committed only when that manifest exists:
-a step Orbax finalized but we could not vouch for is neither restored nor counted by
-retention, so it never pushes out the newest step we can vouch for.
+Checksums without a second pass (spmd.checkpoint.chunks): the arrays are written as Zarr v3
+whose chunks each carry a crc32c, computed by TensorStore while it encodes and writes them.
+After Orbax has finalized a step every process fsyncs the files it wrote
+(`ocdbt.process_<i>/`, `array_metadatas/process_<i>`; rank 0 the rest), once each, and lists
+them: a data file (`ocdbt.process_<i>/d/`, at least `SMALL_FILE` bytes) is recorded with its
+size and `"check": "chunks"`, never read back; the small files (Orbax's JSON metadata, OCDBT
+manifests and b-tree nodes: kilobytes) get a crc32c of their bytes. Rank 0 gathers the lists
+and writes `<step>/spmd_manifest.json`. A step counts as committed only when that manifest
+exists: a step Orbax finalized but we could not vouch for is neither restored nor counted by
+retention, so it never pushes out the newest step we can vouch for. Manifests of format
+`spmd-persistent/1` (a zlib crc32 of every file) are still read and checked.
 
 Invariants
 - Before Orbax's save of a step the ranks agree (`agree_writable`) that rank 0, the process
@@ -33,19 +38,23 @@ import dataclasses
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spmd.checkpoint.chunks import check_data_file, chunk_checked, install_chunk_checksums
 from spmd.checkpoint.files import (
     ChecksumError,
     crc32_file,
+    crc32c_file,
     files_under,
     fsync_dir,
     hex32,
     read_json,
+    remove_tree,
     write_json_atomic,
 )
 from spmd.checkpoint.finite import count_nonfinite, marked_finite
@@ -56,7 +65,11 @@ from spmd.comm.agreement import Coordinator
 log = logging.getLogger("spmd.checkpoint")
 
 MANIFEST = "spmd_manifest.json"
-FORMAT = "spmd-persistent/1"
+FORMAT = "spmd-persistent/2"
+FORMATS = ("spmd-persistent/1", FORMAT)   # /1: a zlib crc32 of every file
+SMALL_FILE = 64 << 10     # data files below this are read back and crc32c'd (b-tree nodes)
+_DATA = re.compile(r"(?:^|/)ocdbt\.process_\d+/d/[^/]+$")
+TRASH = ".spmd-dropped-"  # a dropped step, renamed (atomic), removed in the background
 PARAMS, TRAIN_STATE, LEGACY_ITEM = "params", "train_state", "default"
 _OWNER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
 
@@ -114,11 +127,21 @@ def join_state(like: Any, items: Mapping[str, Any]) -> Any:
     return {PARAMS: items[PARAMS], **items[TRAIN_STATE]}
 
 
-def checksum_files(step_dir: Path, rank: int, size: int, fsync: bool = True) -> dict[str, dict]:
-    """{relative path: {nbytes, crc32}} of the files of `step_dir` this rank wrote.
+def is_data_file(rel: str, nbytes: int) -> bool:
+    """A TensorStore data file of an Orbax step (its values are crc32c-checked chunks)."""
+    return nbytes >= SMALL_FILE and _DATA.search(rel) is not None
 
-    Also fsyncs them and their directories (Orbax renames without an fsync), so that the
-    manifest, written afterwards, never vouches for data that is still only in page cache.
+
+def checksum_files(step_dir: Path, rank: int, size: int, fsync: bool = True,
+                   chunk_crc: bool = True) -> dict[str, dict]:
+    """{relative path: {nbytes, crc32c | check}} of the files of `step_dir` this rank wrote.
+
+    Fsyncs the small ones and the directories (Orbax writes its JSON metadata and renames
+    without an fsync), so that the manifest, written afterwards, never vouches for data
+    still only in page cache. Data files (`chunk_crc`: their chunks carry crc32c) are
+    neither read nor fsynced again: `"check": "chunks"`; TensorStore wrote them and fsynced
+    each before its write completed (its `file_io_sync`, true by default; seen with strace:
+    one fsync per data file). The small files are read once for their crc32c.
     """
     mine = []
     for path in files_under(step_dir):
@@ -128,8 +151,16 @@ def checksum_files(step_dir: Path, rank: int, size: int, fsync: bool = True) -> 
         owner = file_owner(rel)
         if (owner if owner < size else 0) == rank:
             mine.append((rel, path))
-    sums = parallel_map(lambda item: crc32_file(item[1], fsync=fsync), mine)
-    out = {rel: {"nbytes": n, "crc32": hex32(value)} for (rel, _), (value, n) in zip(mine, sums)}
+
+    def one(item: tuple[str, Path]) -> dict:
+        rel, path = item
+        nbytes = path.stat().st_size
+        if chunk_crc and is_data_file(rel, nbytes):
+            return {"nbytes": nbytes, "check": "chunks"}
+        value, n = crc32c_file(path, fsync=fsync)
+        return {"nbytes": n, "crc32c": hex32(value)}
+
+    out = dict(zip((rel for rel, _ in mine), parallel_map(one, mine)))
     dirs = {path.parent for _, path in mine}
     if fsync:
         for d in sorted(dirs | {step_dir, step_dir.parent}):
@@ -137,27 +168,88 @@ def checksum_files(step_dir: Path, rank: int, size: int, fsync: bool = True) -> 
     return out
 
 
-def verify_files(step_dir: Path, manifest: dict, rank: int, size: int) -> list[str]:
-    """Recheck this rank's share (every size-th file) of a manifest; problems, naming files."""
+def verify_files(step_dir: Path, manifest: dict, rank: int, size: int,
+                 deep: bool = True) -> list[str]:
+    """Recheck this rank's share (every size-th file) of a manifest; problems, naming files.
+
+    Small files: their crc32c (crc32 in format /1). Data files (`"check": "chunks"`): their
+    size, and with `deep` every chunk's crc32c, read once (spmd.checkpoint.chunks); without
+    `deep` the chunks are left to the reader (TensorStore checks them on every read).
+    """
     share = [(rel, want) for i, (rel, want) in enumerate(sorted(manifest["files"].items()))
              if i % size == rank]
+    items: dict[str, Any] = {}   # item directory -> its values and layouts (or the problem)
+
+    def values_of(item_dir: Path) -> Any:
+        if item_dir not in items:
+            try:
+                items[item_dir] = chunk_checked(item_dir)
+            except Exception as e:
+                items[item_dir] = (f"{item_dir / 'manifest.ocdbt'}: its OCDBT database "
+                                   f"cannot be read ({type(e).__name__}: {str(e)[:300]})")
+        return items[item_dir]
 
     def check(item: tuple[str, dict]) -> str | None:
         rel, want = item
         path = step_dir / rel
+        if want.get("check") == "chunks":
+            try:
+                n = path.stat().st_size
+            except OSError as e:
+                return f"{path}: cannot be read ({e.strerror or e})"
+            if n != want["nbytes"]:
+                return f"{path}: {n} bytes, the manifest says {want['nbytes']} bytes"
+            if not deep:
+                return None
+            found = values_of(step_dir / rel.split("/", 1)[0])
+            if isinstance(found, str):
+                return found
+            refs, layouts = found
+            prefix = rel.split("/", 1)[1] if "/" in rel else rel
+            return check_data_file(path, refs.get(prefix, []), layouts)
+        algo = "crc32c" if "crc32c" in want else "crc32"
         try:
-            value, n = crc32_file(path)
+            value, n = (crc32c_file if algo == "crc32c" else crc32_file)(path)
         except OSError as e:
             return f"{path}: cannot be read ({e.strerror or e})"
-        if n != want["nbytes"] or hex32(value) != want["crc32"]:
-            return (f"{path}: crc32 {hex32(value)} over {n} bytes, the manifest says "
-                    f"{want['crc32']} over {want['nbytes']} bytes")
+        if n != want["nbytes"] or hex32(value) != want[algo]:
+            return (f"{path}: {algo} {hex32(value)} over {n} bytes, the manifest says "
+                    f"{want[algo]} over {want['nbytes']} bytes")
         return None
 
+    if deep:   # one thread reads the b-trees of the items first (not once per file)
+        for rel, want in share:
+            if want.get("check") == "chunks":
+                values_of(step_dir / rel.split("/", 1)[0])
     return [p for p in parallel_map(check, share) if p is not None]
 
 
 
+
+
+def prefetch(step_dir: Path, manifest: dict, rank: int = 0, size: int = 1) -> threading.Thread:
+    """Ask the kernel to start reading this rank's share of a step's data files now
+    (posix_fadvise WILLNEED, from a background thread), so that the disk reads overlap with
+    the restore's planning and Orbax's metadata reads instead of following them."""
+    share = [step_dir / rel for i, (rel, want) in enumerate(sorted(manifest["files"].items()))
+             if i % size == rank and want.get("check") == "chunks"]
+
+    def ahead() -> None:
+        for path in share:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue   # the check that follows names it
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except (OSError, AttributeError):
+                pass
+            finally:
+                os.close(fd)
+
+    worker = threading.Thread(target=ahead, name="spmd-ckpt-prefetch", daemon=True)
+    worker.start()
+    return worker
 
 
 def read_manifest(step_dir: Path) -> dict | None:
@@ -165,7 +257,7 @@ def read_manifest(step_dir: Path) -> dict | None:
         m = read_json(step_dir / MANIFEST)
     except (OSError, ChecksumError):
         return None
-    return m if isinstance(m, dict) and m.get("format") == FORMAT else None
+    return m if isinstance(m, dict) and m.get("format") in FORMATS else None
 
 
 def retained(manifests: dict[int, dict | None], keep: int) -> set[int]:
@@ -253,13 +345,19 @@ class PersistentTier:
         self._ocp, self.compress = ocp, compress
         if size > 1:
             use_kv_store_barriers()
-        # StandardCheckpointHandler always compresses (zstd); weights barely compress (~8%)
+        # Zarr v3 with a crc32c per chunk (spmd.checkpoint.chunks): TensorStore checksums
+        # while it writes, so the files are never read back. Weights barely compress (~8%)
         # and zstd costs far more CPU time than the bytes it saves cost on a parallel file
-        # system, so by default the same PyTree format goes through the handler that can
-        # switch compression off. Either way the files restore with either handler.
+        # system, so compression is off unless `compress`. Any of these restores with any
+        # handler (Orbax reads the format from the files).
+        self.chunk_crc = install_chunk_checksums()
+        self._standard = compress and not self.chunk_crc
+
         def handler() -> Any:
-            return (ocp.StandardCheckpointHandler() if compress
-                    else ocp.PyTreeCheckpointHandler(use_compression=False))
+            if self._standard:
+                return ocp.StandardCheckpointHandler()
+            return ocp.PyTreeCheckpointHandler(use_compression=compress,
+                                               use_zarr3=self.chunk_crc)
 
         handlers = {PARAMS: handler(), TRAIN_STATE: handler(), LEGACY_ITEM: handler()}
         options = ocp.CheckpointManagerOptions(
@@ -276,9 +374,22 @@ class PersistentTier:
         except Exception as e:
             raise CheckpointError(f"rank {rank}: cannot open the persistent tier at {root} "
                                   f"(checkpoint.persistent_dir): {type(e).__name__}: {e}") from e
+        self._removers: list[threading.Thread] = []
+        self._remove_trash()   # steps dropped by a run that ended before removing them
 
     def step_dir(self, step: int) -> Path:
         return self.root / str(step)
+
+    def _remove_trash(self) -> None:
+        """Remove dropped steps (renamed to `TRASH`...) in the background: rank 0 only."""
+        if self.rank != 0:
+            return
+        trash = [p for p in self.root.glob(f"{TRASH}*") if p.is_dir()]
+        if trash:
+            worker = threading.Thread(target=lambda: [remove_tree(p) for p in trash],
+                                      name="spmd-ckpt-drop", daemon=True)
+            worker.start()
+            self._removers.append(worker)
 
     def orbax_steps(self, reload: bool = False) -> list[int]:
         """Steps Orbax finalized (`reload`: rescan the directory, this rank only)."""
@@ -319,7 +430,7 @@ class PersistentTier:
         if step in self.manager.all_steps():
             self.delete(step)  # unverified leftover of an earlier incarnation
         args = self._ocp.args
-        save = args.StandardSave if self.compress else args.PyTreeSave
+        save = args.StandardSave if self._standard else args.PyTreeSave
         items = {name: save(tree) for name, tree in split_state(state).items()}
         self.manager.save(step, args=args.Composite(**items), force=True)
 
@@ -333,7 +444,7 @@ class PersistentTier:
         """
         t0 = time.perf_counter()
         where = self.step_dir(step)
-        orbax_s = 0.0
+        orbax_s = checksum_s = 0.0
         try:
             if error is not None:
                 raise _StartFailed(error)
@@ -341,54 +452,88 @@ class PersistentTier:
             orbax_s = time.perf_counter() - t0
             if not where.is_dir():
                 raise FileNotFoundError(f"{where} is missing after Orbax finished the save")
-            files = checksum_files(where, self.rank, self.size)
+            files = checksum_files(where, self.rank, self.size, chunk_crc=self.chunk_crc)
+            checksum_s = time.perf_counter() - t0 - orbax_s
             vote = {"ok": True, "files": files}
         except _StartFailed as e:
             vote = {"ok": False, "error": str(e)}
         except Exception as e:
             vote = {"ok": False, "error": f"rank {self.rank}: persistent save of step {step} to "
                                           f"{where} failed: {type(e).__name__}: {e}"}
+        t1 = time.perf_counter()
         decision = self.coord.agree(f"finish the persistent save of step {step}", vote,
                                     lambda votes: self._commit(where, step, votes,
                                                                params_finite))
+        t2 = time.perf_counter()
         if decision["ok"]:
             self.drop(decision["drop"])
             decision["dropped"] = decision.pop("drop")
             decision["seconds"] = time.perf_counter() - t0
             decision["orbax_s"] = orbax_s  # this rank's wait for Orbax; the rest: our manifest
+            # where the rest went: fsync + checksums of this rank's files, the agreement
+            # (rank 0: manifest write + retention decision inside it), forgetting dropped steps
+            decision["phases"] = {"checksum_fsync_s": round(checksum_s, 4),
+                                  "commit_s": round(t2 - t1, 4),
+                                  "drop_s": round(time.perf_counter() - t2, 4)}
         return decision
 
     def _commit(self, where: Path, step: int, votes: list[dict],
                 params_finite: bool | None = None) -> dict:
         """Rank 0, inside the agreement: the manifest, then which committed steps retention
-        drops (beyond the newest `keep`, never the newest with finite parameters). Decided
-        once and broadcast, because Orbax's delete is collective: ranks that listed the
-        directory themselves, while rank 0 was already deleting, disagreed on the list and
-        waited in different barriers for ever."""
+        drops (beyond the newest `keep`, never the newest with finite parameters), renamed
+        away here. Decided once and broadcast: ranks that listed the directory themselves,
+        while rank 0 was already deleting, disagreed on the list (and, with Orbax's collective
+        delete, waited in different barriers for ever)."""
         decision = _write_manifest(where, step, votes, self.size, params_finite)
         if decision["ok"]:
             manifests = {s: read_manifest(self.step_dir(s))
                          for s in self.orbax_steps(reload=True)}
             kept = retained(manifests, self.keep)
-            decision["drop"] = [s for s, m in sorted(manifests.items())
-                                if m is not None and s not in kept]
+            decision["drop"] = self._rename_away([s for s, m in sorted(manifests.items())
+                                                  if m is not None and s not in kept])
         return decision
 
+    def _rename_away(self, steps: list[int]) -> list[int]:
+        """Rank 0: rename the steps retention drops out of Orbax's sight (atomic; their
+        files are removed in the background, off the save's path); the steps renamed."""
+        done = []
+        for step in steps:
+            try:
+                os.replace(self.step_dir(step),
+                           self.root / f"{TRASH}{step}-{os.getpid()}-{time.monotonic_ns()}")
+                done.append(step)
+            except OSError as e:
+                log.warning("persistent step %d could not be dropped (%s): kept for now",
+                            step, e.strerror or e)
+        if done:
+            fsync_dir(self.root)
+        return done
+
     def drop(self, steps: list[int]) -> None:
-        """Delete `steps`, which rank 0 chose for every rank (collective, like `delete`).
+        """Forget `steps`, which rank 0 chose and renamed away for every rank (each rank
+        reloads Orbax's list of steps); rank 0 then removes their files in the background.
 
         Orbax applies the preservation policy while the new step has no manifest yet, so it
         keeps that step besides the `keep` committed ones; this brings the tier back to `keep`.
         """
-        for step in steps:
-            self.delete(step)
+        if steps:
+            self.manager.reload()
+            self._remove_trash()
 
-    def verify(self, step: int) -> list[str]:
-        """This rank's share of the manifest check of `step` (all ranks together check all)."""
+    def prefetch(self, step: int) -> None:
+        """Start reading `step`'s data files (this rank's share) ahead of the restore."""
+        manifest = read_manifest(self.step_dir(step))
+        if manifest is not None:
+            prefetch(self.step_dir(step), manifest, self.rank, self.size)
+
+    def verify(self, step: int, deep: bool = True) -> list[str]:
+        """This rank's share of the manifest check of `step` (all ranks together check all);
+        without `deep`, data files' chunks are left to the restore's reads (TensorStore checks
+        their crc32c)."""
         manifest = read_manifest(self.step_dir(step))
         if manifest is None:
             return [f"{self.step_dir(step) / MANIFEST}: missing or unreadable"]
-        return verify_files(self.step_dir(step), manifest, self.rank, self.size)
+        return verify_files(self.step_dir(step), manifest, self.rank, self.size, deep)
 
     def restore(self, step: int, abstract_state: Any,
                 optional: Sequence[str] = ()) -> tuple[Any, tuple[str, ...]]:
@@ -434,7 +579,7 @@ class PersistentTier:
         return set(tree) if isinstance(tree, Mapping) else None
 
     def _restore_args(self, target: Any, partial: bool = False) -> Any:
-        if self.compress:
+        if self._standard:
             return self._ocp.args.StandardRestore(target, strict=not partial)
         return restore_args(target, partial)
 
@@ -444,6 +589,8 @@ class PersistentTier:
 
     def close(self) -> None:
         self.manager.close()
+        for worker in self._removers:
+            worker.join()
 
 
 def restore_args(target: Any, partial: bool = False) -> Any:

@@ -167,11 +167,15 @@ def restore(ctx: RestoreContext, abstract_state: Any,
     decision = ctx.coord.agree("report the checkpoints they have", vote, first)
     plan = decision["plan"]
     problems: list[str] = []
+    loaded: tuple[Any, tuple[str, ...]] | None = None   # a persistent step read in the loop
     while plan["tier"] is not None:
         step = plan["step"]
         t0 = time.perf_counter()
         if plan["tier"] == "local":
             bad, data = _load_local(ctx, plan, own, held)
+        elif ctx.size == 1:   # one read: Orbax's, whose TensorStore checks every chunk's crc32c
+            bad, loaded = _load_persistent(ctx, step, abstract_state, optional)
+            data = None
         else:
             bad, data = _check_persistent(ctx, step), None
         timings["read_s"] += time.perf_counter() - t0
@@ -211,16 +215,12 @@ def restore(ctx: RestoreContext, abstract_state: Any,
             if partners else "")
     else:
         assert ctx.persistent is not None
-        try:
+        if loaded is not None:
+            (state, missing), timings["orbax_s"] = loaded, timings["read_s"]
+        else:
             t0 = time.perf_counter()
-            state, missing = ctx.persistent.restore(step, abstract_state, optional)
-            state = jax.block_until_ready(state)
+            state, missing = _read_persistent(ctx, step, abstract_state, optional)
             timings["orbax_s"] = time.perf_counter() - t0
-        except Exception as e:
-            raise CheckpointError(
-                f"rank {ctx.rank}: restoring {ctx.persistent.step_dir(step)} onto this run's "
-                f"state failed (was it saved by a different model or config?): "
-                f"{type(e).__name__}: {str(e)[:2000]}") from e
         source, detail = "persistent", f"step {step} from {ctx.persistent.step_dir(step)}"
     if problems:
         detail += "; fell back after: " + "; ".join(problems)
@@ -271,14 +271,55 @@ def _plan_layout(ctx: RestoreContext, plan: dict) -> SaveLayout:
     return ctx.layout
 
 
-def _check_persistent(ctx: RestoreContext, step: int) -> list:
+def _check_persistent(ctx: RestoreContext, step: int, deep: bool = True) -> list:
+    """This rank's share of the manifest check of a persistent step, as "bad" reports."""
     assert ctx.persistent is not None
     try:
-        problems = ctx.persistent.verify(step)
+        problems = ctx.persistent.verify(step, deep)
     except Exception as e:
         problems = [f"{ctx.persistent.step_dir(step)}: {e}"]
     return [["persistent", step, -1, f"rank {ctx.rank}: persistent step {step}: {p}"]
             for p in problems]
+
+
+def _read_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
+                     optional: Sequence[str]) -> tuple[Any, tuple[str, ...]]:
+    """Orbax's restore of `step` onto `abstract_state` (on the devices); a failure names the
+    step and suggests the usual cause."""
+    assert ctx.persistent is not None
+    try:
+        state, missing = ctx.persistent.restore(step, abstract_state, optional)
+        return jax.block_until_ready(state), missing
+    except Exception as e:
+        raise CheckpointError(
+            f"rank {ctx.rank}: restoring {ctx.persistent.step_dir(step)} onto this run's "
+            f"state failed (was it saved by a different model or config?): "
+            f"{type(e).__name__}: {str(e)[:2000]}") from e
+
+
+def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
+                     optional: Sequence[str]
+                     ) -> tuple[list, tuple[Any, tuple[str, ...]] | None]:
+    """One process: check the small files and the data files' sizes, then read the step with
+    Orbax, whose TensorStore checks each chunk's crc32c as it reads (no separate pass over
+    the data). A read that fails is told apart from damage by the full check (each data
+    file's chunks), which names the damaged file; a step that passes it failed for another
+    reason (another model or config): that error is raised, as before.
+
+    With several processes the full check comes first instead (`_check_persistent`): a rank
+    whose read failed would leave the others waiting in Orbax's barrier after the read."""
+    assert ctx.persistent is not None
+    ctx.persistent.prefetch(step)   # the disk starts reading while the checks run
+    bad = _check_persistent(ctx, step, deep=False)
+    if bad:
+        return bad, None
+    try:
+        return [], _read_persistent(ctx, step, abstract_state, optional)
+    except CheckpointError:
+        bad = _check_persistent(ctx, step, deep=True)
+        if not bad:
+            raise
+        return bad, None
 
 
 def _exchange_and_assemble(ctx: RestoreContext, plan: dict, data: dict[int, dict],
