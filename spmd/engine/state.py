@@ -244,16 +244,17 @@ def check_mesh_axis_names(abstract_params: nnx.State, rules: RuleTable, mesh: Me
     rule or one of the mesh's axes; otherwise a `ShardingError` names the parameter, the
     name and the mesh's axes (a model written for another mesh, e.g. Gemma's default
     tensor-parallel axis 'tp', where spmd's mesh calls it 'tensor')."""
+    names = tuple(mesh.axis_names)
     for path, variable in nnx.to_flat_state(abstract_params):
         where = "/".join(map(str, path))
         found = annotated_axes(variable.get_metadata(),
                                tuple(getattr(variable.get_value(), "shape", ())), where)
         for axis in found.axes if found is not None else ():
-            if axis is None or rules.lookup(axis) is not None or axis in mesh.axis_names:
+            if axis is None or rules.lookup(axis) is not None or axis in names:
                 continue
             raise ShardingError(
                 f"parameter {where}: its sharding {tuple(found.axes)} names '{axis}', which is "
-                f"neither a mesh axis ({', '.join(mesh.axis_names)}) nor a logical axis with a "
+                f"neither a mesh axis ({', '.join(names)}) nor a logical axis with a "
                 f"rule. Under mesh.axis_types=explicit a model's PartitionSpecs name the mesh's "
                 f"axes directly: build the model with spmd's axis names (e.g. a ShardingConfig "
                 f"made with tensor_parallel_axis_name='tensor'), or map the name with "
