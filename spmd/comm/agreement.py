@@ -8,7 +8,9 @@ works under every launcher, from any thread, and the store never blocks forever.
 
 Invariants
 - Every rank calls `agree` on a channel in the same order; the n-th call of every rank
-  meets the others' n-th (keys `spmd/<namespace>/<channel>/<n>/...`).
+  meets the others' n-th (keys `spmd/<namespace>/<channel>/<n>/...`). n counts per process,
+  not per object: a second coordinator on a channel (a second checkpointer in one job, e.g.
+  restoring two runs) goes on from the first one's count, so it never meets old keys.
 - No wait is unbounded: rank 0 gives up after `timeout_s` and names the missing ranks and
   `timeout_key`; the others wait a little longer for rank 0's word, then give up too.
 - The errors are the caller's: a layer above sets `error` and `timeout_error` (a subclass
@@ -53,12 +55,12 @@ class Coordinator:
     purpose = "agreement among ranks"  # "... needs jax.distributed to be initialized ..."
     timeout_key = "timeout_s"          # the config key that sets `timeout_s`
     namespace = "agree"                # keys live under spmd/<namespace>/<channel>/
+    _calls: dict[tuple[str, int], int] = {}   # ("<namespace>/<channel>", rank) -> calls so far
 
     def __init__(self, rank: int, size: int, timeout_s: float, channel: str,
                  client: Any = None):
         self.rank, self.size, self.timeout_s, self.channel = rank, size, timeout_s, channel
         self._client = client
-        self._seq = 0
 
     @property
     def client(self) -> Any:
@@ -74,10 +76,12 @@ class Coordinator:
 
         `what` completes "waiting for rank(s) N to ..." in timeout messages.
         """
-        self._seq += 1
+        channel = f"{self.namespace}/{self.channel}"
+        key = (channel, self.rank)   # by rank too: tests play ranks as threads of one process
+        seq = Coordinator._calls[key] = Coordinator._calls.get(key, 0) + 1
         if self.size == 1:
             return decide([vote])
-        prefix = f"spmd/{self.namespace}/{self.channel}/{self._seq}"
+        prefix = f"spmd/{channel}/{seq}"
         client = self.client
         try:
             client.key_value_set(f"{prefix}/vote/{self.rank}", json.dumps(vote))

@@ -5,6 +5,9 @@
 Every rank builds the runtime for CONFIG (its mesh, its strategy), restores through the real
 checkpointer, gathers every leaf to host, and rank 0 writes OUT.npz (leaf path -> array) and
 OUT.json (step and source per rank). Used to compare states across meshes and process counts.
+With OUT given as @PLAN.json (a list of [run_dir, out] pairs), one launch restores each run
+directory in turn into its own OUT: the start-up (MPI, jax.distributed, the runtime) is paid
+once for a batch of damaged copies of one run.
 """
 
 from __future__ import annotations
@@ -57,6 +60,23 @@ def dump(n: int, run_dir: Path, out: Path, *overrides: str, devices: int = 4,
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(devices),
                           timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return _read_dump(out)
+
+
+def dump_each(n: int, pairs: list[tuple[Path, Path]], *overrides: str, devices: int = 4,
+              timeout: float = 300) -> list[dict]:
+    """`dump` of several run directories (same config and mesh) in one launch, in order."""
+    plan = pairs[0][1].with_name(pairs[0][1].stem + ".plan.json")
+    plan.write_text(json.dumps([[str(r), str(o)] for r, o in pairs]))
+    cmd = [*(_mpi(n) if n > 1 else []), sys.executable, str(Path(__file__).resolve()),
+           str(CONFIG), f"@{plan}", f"run.dir={pairs[0][0]}", *BASE, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(devices),
+                          timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [_read_dump(out) for _, out in pairs]
+
+
+def _read_dump(out: Path) -> dict:
     import numpy as np
 
     meta = json.loads(out.with_suffix(".json").read_text())
@@ -157,27 +177,32 @@ def main(argv: list[str]) -> int:
 
     mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
     rt = build_runtime(EngineSections.of(cfg), mesh, build_task(cfg))
-    out_path = Path(out)
-    events = EventLog(out_path.with_name(out_path.stem + f".events{env.rank}.jsonl"), env.rank)
-    ckpt = create_checkpointer(cfg.checkpoint, run_dir=cfg.run.dir, env=env, events=events)
-    restored = ckpt.restore(rt.state.abstract)
-    if restored is None:
-        print(f"rank {env.rank}: nothing to restore", file=sys.stderr)
-        return 3
-    leaves = jax.tree.leaves(restored.state)
-    arrays = {}
-    for path, x in zip(leaf_paths(restored.state), leaves):
-        arrays[path] = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    sources = multihost_utils.process_allgather(
-        np.array([{"local": 0, "partner": 1, "persistent": 2}[restored.source]]))
-    if env.rank == 0:
-        np.savez(out_path, **arrays)
-        names = ["local", "partner", "persistent"]
-        out_path.with_suffix(".json").write_text(json.dumps({
-            "step": restored.step, "detail": restored.detail,
-            "sources": [names[int(s)] for s in np.asarray(sources).reshape(-1)]}))
-    ckpt.close()
-    events.close()
+    if out.startswith("@"):
+        pairs = [(Path(r), Path(o)) for r, o in json.loads(Path(out[1:]).read_text())]
+    else:
+        pairs = [(Path(cfg.run.dir), Path(out))]
+    for run_dir, out_path in pairs:
+        events = EventLog(out_path.with_name(out_path.stem + f".events{env.rank}.jsonl"),
+                          env.rank)
+        ckpt = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
+        restored = ckpt.restore(rt.state.abstract)
+        if restored is None:
+            print(f"rank {env.rank}: nothing to restore in {run_dir}", file=sys.stderr)
+            return 3
+        leaves = jax.tree.leaves(restored.state)
+        arrays = {}
+        for path, x in zip(leaf_paths(restored.state), leaves):
+            arrays[path] = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        sources = multihost_utils.process_allgather(
+            np.array([{"local": 0, "partner": 1, "persistent": 2}[restored.source]]))
+        if env.rank == 0:
+            np.savez(out_path, **arrays)
+            names = ["local", "partner", "persistent"]
+            out_path.with_suffix(".json").write_text(json.dumps({
+                "step": restored.step, "detail": restored.detail,
+                "sources": [names[int(s)] for s in np.asarray(sources).reshape(-1)]}))
+        ckpt.close()
+        events.close()
     if env.size > 1:
         jax.distributed.shutdown()
     return 0

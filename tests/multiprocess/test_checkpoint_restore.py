@@ -6,34 +6,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.checkpoint_worker import dump, same_state, train
+from tests.helpers.checkpoint_worker import dump, dump_each, same_state, train
 
 pytestmark = pytest.mark.slow
 
 CKPT = ("train.steps=6", "checkpoint.every=3", "checkpoint.persistent_every=3",
         "checkpoint.keep=2", "checkpoint.timeout_s=60")
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """A 2 x 4 run with local steps 3, 6 (partner copies on) and persistent steps 3, 6."""
-    base = tmp_path_factory.mktemp("saved")
-    run_dir = base / "run"
-    proc = train(2, run_dir, *CKPT)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    pristine = base / "pristine"
-    shutil.copytree(run_dir, pristine)
-    baseline = dump(2, pristine, base / "baseline.npz", *CKPT)
-    assert (baseline["step"], baseline["sources"]) == (6, ["local", "local"])
-    shutil.rmtree(pristine / "local" / "6")
-    shutil.rmtree(pristine / "checkpoints" / "6")
-    step3 = dump(2, pristine, base / "step3.npz", *CKPT)
-    assert (step3["step"], step3["sources"]) == (3, ["local", "local"])
-    return run_dir, baseline, step3
 
 
 def flip(path: Path, offset: int = 0) -> None:
@@ -42,64 +25,119 @@ def flip(path: Path, offset: int = 0) -> None:
     path.write_bytes(bytes(data))
 
 
+def own_blob(run_dir: Path) -> Path:
+    return run_dir / "local" / "6" / "rank00000" / "shards.bin"
+
+
+def partner_blob(run_dir: Path) -> Path:
+    """Rank 0's step-6 copy held by rank 1."""
+    return run_dir / "local" / "6" / "rank00001" / "partner-rank00000.bin"
+
+
+def persistent_victim(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints" / "6").rglob("ocdbt.process_1/d/*"))[0]
+
+
+def _keep_step_3(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / "local" / "6")
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+
+
+def _wipe_rank_1(run_dir: Path) -> None:
+    for d in (run_dir / "local").glob("*/rank00001"):
+        shutil.rmtree(d)  # everything process 1 had on its node, partner copies included
+
+
+def _flip_own_and_partner(run_dir: Path) -> None:
+    flip(own_blob(run_dir), 100)
+    flip(partner_blob(run_dir), 100)
+
+
+def _damage_persistent_6(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / "local")
+    victim = persistent_victim(run_dir)
+    flip(victim, victim.stat().st_size // 2)
+
+
+# Damaged copies of one saved run, each restored by the same 2-rank launch (dump_each).
+DAMAGE = {
+    "baseline": lambda d: None,
+    "step3": _keep_step_3,
+    "rank1_wiped": _wipe_rank_1,
+    "local_wiped": lambda d: shutil.rmtree(d / "local"),
+    "own_flipped": lambda d: flip(own_blob(d), 100),
+    "own_and_partner_flipped": _flip_own_and_partner,
+    "persistent_6_damaged": _damage_persistent_6,
+}
+
+
+@dataclass(frozen=True)
+class Restored:
+    run_dir: Path   # the damaged copy
+    out: Path       # its dump (and the restore's events next to it)
+    got: dict       # step, sources, detail and every leaf
+
+
+@pytest.fixture(scope="module")
+def restored(tmp_path_factory) -> dict[str, Restored]:
+    """A 2 x 4 run with local steps 3, 6 (partner copies on) and persistent steps 3, 6, then
+    each DAMAGE applied to its own copy and restored."""
+    base = tmp_path_factory.mktemp("saved")
+    run_dir = base / "run"
+    proc = train(2, run_dir, *CKPT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    pairs = []
+    for name, damage in DAMAGE.items():
+        shutil.copytree(run_dir, base / name)
+        damage(base / name)
+        pairs.append((base / name, base / f"{name}.npz"))
+    dumps = dump_each(2, pairs, *CKPT)
+    out = {name: Restored(d, o, got) for (name, (d, o)), got in zip(zip(DAMAGE, pairs), dumps)}
+    assert (out["baseline"].got["step"], out["baseline"].got["sources"]) == (6, ["local"] * 2)
+    assert (out["step3"].got["step"], out["step3"].got["sources"]) == (3, ["local"] * 2)
+    return out
+
+
 def fallback_problems(out: Path) -> list[str]:
     events = out.with_name(out.stem + ".events0.jsonl")
     return [p for line in events.read_text().splitlines()
             for p in json.loads(line).get("problems", [])]
 
 
-def copy_of(saved, tmp_path: Path) -> Path:
-    run_dir = tmp_path / "run"
-    shutil.copytree(saved[0], run_dir)
-    return run_dir
-
-
-def test_one_process_local_tier_wiped_restores_from_partner(saved, tmp_path):
-    run_dir = copy_of(saved, tmp_path)
-    for d in (run_dir / "local").glob("*/rank00001"):
-        shutil.rmtree(d)  # everything process 1 had on its node, partner copies included
-    got = dump(2, run_dir, tmp_path / "d.npz", *CKPT)
+def test_one_process_local_tier_wiped_restores_from_partner(restored):
+    got = restored["rank1_wiped"].got
     assert (got["step"], got["sources"]) == (6, ["local", "partner"])
     assert "rank 1 (held by rank 0)" in got["detail"]
-    assert same_state(got, saved[1]) == []
+    assert same_state(got, restored["baseline"].got) == []
 
 
-def test_all_local_tiers_wiped_restores_from_persistent(saved, tmp_path):
-    run_dir = copy_of(saved, tmp_path)
-    shutil.rmtree(run_dir / "local")
-    got = dump(2, run_dir, tmp_path / "d.npz", *CKPT)
+def test_all_local_tiers_wiped_restores_from_persistent(restored):
+    got = restored["local_wiped"].got
     assert (got["step"], got["sources"]) == (6, ["persistent", "persistent"])
-    assert same_state(got, saved[1]) == []
+    assert same_state(got, restored["baseline"].got) == []
 
 
-def test_flipped_byte_falls_back_to_partner_then_persistent(saved, tmp_path):
-    run_dir = copy_of(saved, tmp_path)
-    own = run_dir / "local" / "6" / "rank00000" / "shards.bin"
-    flip(own, 100)
-    got = dump(2, run_dir, tmp_path / "a.npz", *CKPT)
-    assert (got["step"], got["sources"]) == (6, ["partner", "local"])
-    assert any(str(own) in p and "crc32" in p for p in fallback_problems(tmp_path / "a.npz"))
-    assert same_state(got, saved[1]) == []
+def test_flipped_byte_falls_back_to_partner_then_persistent(restored):
+    one = restored["own_flipped"]
+    assert (one.got["step"], one.got["sources"]) == (6, ["partner", "local"])
+    own = own_blob(one.run_dir)
+    assert any(str(own) in p and "crc32" in p for p in fallback_problems(one.out))
+    assert same_state(one.got, restored["baseline"].got) == []
 
-    partner = run_dir / "local" / "6" / "rank00001" / "partner-rank00000.bin"
-    flip(partner, 100)
-    got = dump(2, run_dir, tmp_path / "b.npz", *CKPT)
-    assert (got["step"], got["sources"]) == (6, ["persistent", "persistent"])
-    problems = fallback_problems(tmp_path / "b.npz")
-    assert any(str(own) in p for p in problems) and any(str(partner) in p for p in problems)
-    assert same_state(got, saved[1]) == []
+    both = restored["own_and_partner_flipped"]
+    assert (both.got["step"], both.got["sources"]) == (6, ["persistent", "persistent"])
+    problems = fallback_problems(both.out)
+    assert any(str(own_blob(both.run_dir)) in p for p in problems)
+    assert any(str(partner_blob(both.run_dir)) in p for p in problems)
+    assert same_state(both.got, restored["baseline"].got) == []
 
 
-def test_damaged_persistent_step_falls_back_to_an_older_one(saved, tmp_path):
-    run_dir = copy_of(saved, tmp_path)
-    shutil.rmtree(run_dir / "local")
-    victim = sorted((run_dir / "checkpoints" / "6").rglob("ocdbt.process_1/d/*"))[0]
-    flip(victim, victim.stat().st_size // 2)
-    got = dump(2, run_dir, tmp_path / "d.npz", *CKPT)
-    assert (got["step"], got["sources"]) == (3, ["persistent", "persistent"])
-    assert any(str(victim) in p for p in fallback_problems(tmp_path / "d.npz"))
+def test_damaged_persistent_step_falls_back_to_an_older_one(restored):
+    r = restored["persistent_6_damaged"]
+    assert (r.got["step"], r.got["sources"]) == (3, ["persistent", "persistent"])
+    assert any(str(persistent_victim(r.run_dir)) in p for p in fallback_problems(r.out))
     # saved while training went on (donating the state): still the exact step-3 state
-    assert same_state(got, saved[2]) == []
+    assert same_state(r.got, restored["step3"].got) == []
 
 
 @pytest.mark.parametrize("saver,reader", [
