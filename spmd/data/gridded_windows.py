@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 from collections.abc import Mapping, Sequence
@@ -150,6 +151,7 @@ class GriddedWindowSource(ArraySource):
         self._starts = np.zeros(0, np.int64)
         self._member_of: list[int] = []          # timeline file -> member of the index
         self._const: np.ndarray | None = None
+        self._offsets_list: list[int] = []       # the timeline's file offsets (bisect)
         self._blocks: collections.OrderedDict[tuple[int, int], np.ndarray] = \
             collections.OrderedDict()
         self._block_rows: int = 1
@@ -176,6 +178,7 @@ class GriddedWindowSource(ArraySource):
         index = {str(Path(p)): i for i, p in enumerate(paths)}
         self._member_of = [index[str(f.path)] for f in tl.files]
         self._timeline = tl
+        self._offsets_list = [int(o) for o in tl.offsets]
         start, end = self.time_range
         self._starts = tl.window_starts(self.span, self.stride, start, end)
         w = self.window_key
@@ -340,16 +343,29 @@ class GriddedWindowSource(ArraySource):
                 total -= old.nbytes
         return block
 
-    def _frames(self, lo: int, hi: int) -> np.ndarray:
-        """Timeline positions [lo, hi) as float32 (steps, lat, lon, C)."""
+    def _frames(self, lo: int, hi: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Timeline positions [lo, hi) as float32 (steps, lat, lon, C): a view of a cached
+        block when one block holds them, else copied (into `into` when given)."""
+        tl, n = self._timeline, self._block_rows
+        if tl is None:
+            tl = self.timeline
+        offs = self._offsets_list
+        k = bisect.bisect_right(offs, lo) - 1
+        a, b = lo - offs[k], hi - offs[k]
+        if b <= offs[k + 1] - offs[k] and a // n == (b - 1) // n:
+            blk = a // n                                  # the common case: one block
+            view = self._block(k, blk)[a - blk * n:b - blk * n]
+            if into is not None:
+                into[...] = view
+                return into
+            return view
         out = []
-        for k, a, b in self.timeline.pieces(lo, hi):
-            n = self._block_rows
+        for k, a, b in tl.pieces(lo, hi):
             for blk in range(a // n, (b - 1) // n + 1):
                 block = self._block(k, blk)
                 s, e = max(a, blk * n) - blk * n, min(b, (blk + 1) * n) - blk * n
                 out.append(block[s:e])
-        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+        return np.concatenate(out, axis=0, out=into)
 
     def _read_constants(self) -> np.ndarray:
         tl = self._timeline
@@ -392,11 +408,6 @@ class GriddedWindowSource(ArraySource):
             f"(window {record} of split '{self.split}'); fix the data, or set data.nan: mask "
             f"(the loss skips missing points) or data.nan: fill")
 
-    def _lay_out(self, frames: np.ndarray) -> np.ndarray:
-        """(steps, lat, lon, C) -> (lat, lon, steps * C), frames in time order."""
-        moved = np.moveaxis(frames, 0, -2)
-        return moved.reshape(*moved.shape[:-2], -1)
-
     def rows(self, step: int, start: int, stop: int,
              region: Mapping[str, Region | None] | None = None) -> dict[str, np.ndarray]:
         """Rows [start, stop) of step `step`: whole examples (a region is cut in memory)."""
@@ -406,44 +417,51 @@ class GriddedWindowSource(ArraySource):
         records = self.record_indices(step, start, stop)
         out = {name: np.empty((len(records), *f.example_shape), dtype=f.dtype)
                for name, f in self.fields.items()}
-        per_file: collections.Counter[str] = collections.Counter()
-        nbytes = 0
-        tl = self.timeline
-        for i, record in enumerate(records):
+        self.check()
+        tl, nlat, nlon, c = self._timeline, *self.frame
+        windows = np.empty((len(records), self.span, nlat, nlon, c), np.float32)
+        per_file: collections.Counter[int] = collections.Counter()
+        for i, record in enumerate(records):          # one copy per window from the blocks
             t0 = int(self._starts[record])
-            window = self._frames(t0, t0 + self.span)
-            missing = np.isnan(window)
-            if missing.any():
-                if self.nan == "error":
-                    raise self._nan_error(record, t0, window)
-                window = np.where(missing, self.nan_fill, window)
-                if self.mask_name:
-                    out[self.mask_name][i] = self._lay_out(
-                        ~missing[self.input_steps:]).astype(out[self.mask_name].dtype)
-            elif self.mask_name:
-                out[self.mask_name][i] = 1
-            frames = self._lay_out(window[:self.input_steps])
-            if self._const is not None:
-                out[self.input_name][i, ..., :frames.shape[-1]] = frames
-                out[self.input_name][i, ..., frames.shape[-1]:] = self._const
-            else:
-                out[self.input_name][i] = frames
-            out[self.target_name][i] = self._lay_out(window[self.input_steps:])
-            nbytes += window.nbytes
-            for k, _, _ in tl.pieces(t0, t0 + self.span):
-                per_file[str(tl.files[k].path)] += 1
+            self._frames(t0, t0 + self.span, into=windows[i])
+            k0 = bisect.bisect_right(self._offsets_list, t0) - 1
+            k1 = bisect.bisect_right(self._offsets_list, t0 + self.span - 1) - 1
+            per_file[k0] += 1
+            if k1 != k0:
+                per_file.update(range(k0 + 1, k1 + 1))
+        missing = np.isnan(windows)
+        if missing.any():
+            if self.nan == "error":
+                i = int(np.flatnonzero(missing.reshape(len(records), -1).any(1))[0])
+                raise self._nan_error(records[i], int(self._starts[records[i]]), windows[i])
+            np.copyto(windows, np.broadcast_to(self.nan_fill, windows.shape), where=missing)
+        k = self.input_steps
+        # (n, steps, lat, lon, C) -> (n, lat, lon, steps * C): the frames in time order
+        frames = windows[:, :k].transpose(0, 2, 3, 1, 4).reshape(-1, nlat, nlon, k * c)
+        if self._const is not None:
+            out[self.input_name][..., :k * c] = frames
+            out[self.input_name][..., k * c:] = self._const
+        else:
+            out[self.input_name][...] = frames
+        out[self.target_name][...] = windows[:, k:].transpose(0, 2, 3, 1, 4).reshape(
+            -1, nlat, nlon, (self.span - k) * c)
+        if self.mask_name:
+            out[self.mask_name][...] = ~missing[:, k:].transpose(0, 2, 3, 1, 4).reshape(
+                -1, nlat, nlon, (self.span - k) * c)
+        nbytes = windows.nbytes
         if region:
             for name, box in region.items():
                 if box is not None and name in out:
                     out[name] = out[name][(slice(None), *(slice(lo, hi) for lo, hi in box))]
         self._count_reads([(self.channels[0].variable, r, ()) for r in records], nbytes,
-                          per_file)
+                          collections.Counter({str(tl.files[f].path): n
+                                               for f, n in per_file.items()}))
         return out
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         for k in ("_timeline", "_starts", "_member_of", "_const", "_blocks", "_block_rows",
-                  "_cache_lock"):
+                  "_cache_lock", "_offsets_list"):
             state.pop(k, None)
         return state
 

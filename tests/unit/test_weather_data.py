@@ -183,6 +183,31 @@ def test_windows_cross_yearly_file_boundaries(files):
     assert src.count == 1096 - 5 + 1              # no window lost at a file's end
 
 
+def test_rows_pickle_threads_and_shuffle(files):
+    """The seeded order is a permutation of the windows; rows are the same read from two
+    threads at once and from a pickled copy (which reopens the files)."""
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = source(files["root"] / "nc", steps=(2, 1), time_range=(None, END_2001),
+                 shuffle=True, seed=3, shuffle_block=16)
+    order = src.index.records(range(src.count)).tolist()     # one epoch
+    assert sorted(order) == list(range(src.count)) and order != sorted(order)
+    want = [src.rows(k, 0, 4) for k in range(6)]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda k: src.rows(k, 0, 4), range(6)))
+    copy = pickle.loads(pickle.dumps(src))
+    for k in range(6):
+        for name in ("input", "target"):
+            assert np.array_equal(got[k][name], want[k][name])
+            assert np.array_equal(copy.rows(k, 0, 4)[name], want[k][name])
+    frames = xarray_frames(files["nc"])
+    r = src.record_indices(0, 0, 1)[0]
+    t0 = src.window_of(r)["t0"]
+    assert np.array_equal(want[0]["input"][0], np.concatenate([frames[t0], frames[t0 + 1]], -1))
+    assert src.reads_by_file and sum(src.reads_by_file.values()) >= 6 * 4
+
+
 # --------------------------------------------------------------------- the silent cases
 
 
