@@ -94,7 +94,9 @@ class Supervisor:
 
     def _try(self, argv: list[str], attempt: int, started: float) -> tuple[int, str]:
         env = {**os.environ, "SPMD_RECOVERY_ATTEMPT": str(attempt)}
-        tail: deque[str] = deque(maxlen=400)
+        # the launcher's lines about tasks and nodes (one per node and status on srun: a
+        # large job's are kept whole), for the evidence
+        tail: deque[str] = deque(maxlen=100_000)
         self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True,
                                      errors="replace", start_new_session=True)
 
@@ -102,7 +104,8 @@ class Supervisor:
             assert self.proc is not None and self.proc.stderr is not None
             for line in self.proc.stderr:
                 sys.stderr.write(line)
-                tail.append(line)
+                if "task" in line or "Node failure" in line:
+                    tail.append(line)
             sys.stderr.flush()
 
         reader = threading.Thread(target=pump, daemon=True)
