@@ -4,18 +4,23 @@ launch.prepare_timeout_s, and says what it waits for; past that bound the job fa
 naming the key.
 
 The task (tests/helpers/slow_prepare_task.py) sleeps in rank 0's `prepare` for
-SPMD_TEST_PREPARE_S seconds, logging progress lines as a data generator would.
+SPMD_TEST_PREPARE_S seconds, logging progress lines as a data generator would. The two jobs
+mostly sleep, so they run side by side.
 """
 
 from __future__ import annotations
 
 import re
 import socket
+import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.checkpoint_worker import events, train
+from tests.helpers.env import side_by_side
 from tests.helpers.slow_prepare_task import ENV
 
 pytestmark = pytest.mark.slow
@@ -23,9 +28,33 @@ pytestmark = pytest.mark.slow
 TASK = "task=tests.helpers.slow_prepare_task:SlowPrepareTask"
 
 
-def test_a_minute_of_preparation_on_rank_0_waits_and_trains(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = train(2, run_dir, TASK, "train.steps=3", devices=1, timeout=400, **{ENV: "60"})
+@dataclass(frozen=True)
+class Job:
+    run_dir: Path
+    proc: subprocess.CompletedProcess
+    seconds: float
+
+
+def _job(run_dir: Path, *overrides: str, timeout: float, prepare_s: str) -> Job:
+    began = time.monotonic()
+    proc = train(2, run_dir, TASK, "train.steps=3", *overrides, devices=1, timeout=timeout,
+                 **{ENV: prepare_s})
+    return Job(run_dir, proc, time.monotonic() - began)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, Job]:
+    """A minute of preparation, and one past launch.prepare_timeout_s=4, side by side."""
+    base = tmp_path_factory.mktemp("prepare")
+    minute, past = side_by_side(
+        lambda: _job(base / "minute", timeout=400, prepare_s="60"),
+        lambda: _job(base / "past", "launch.prepare_timeout_s=4", timeout=120,
+                     prepare_s="100"))
+    return {"minute": minute, "past": past}
+
+
+def test_a_minute_of_preparation_on_rank_0_waits_and_trains(jobs):
+    run_dir, proc = jobs["minute"].run_dir, jobs["minute"].proc
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "DEADLINE_EXCEEDED" not in out and "Gloo context initialization failed" not in out
@@ -44,12 +73,8 @@ def test_a_minute_of_preparation_on_rank_0_waits_and_trains(tmp_path):
     assert waiting.index("this rank's share runs after rank 0's") > waited.start()
 
 
-def test_preparation_past_launch_prepare_timeout_s_fails_at_once_naming_it(tmp_path):
-    run_dir = tmp_path / "run"
-    began = time.monotonic()
-    proc = train(2, run_dir, TASK, "train.steps=3", "launch.prepare_timeout_s=4", devices=1,
-                 timeout=120, **{ENV: "100"})
-    seconds = time.monotonic() - began
+def test_preparation_past_launch_prepare_timeout_s_fails_at_once_naming_it(jobs):
+    proc, seconds = jobs["past"].proc, jobs["past"].seconds
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert seconds < 60, f"{seconds:.0f} s: the sleeping rank 0 was not ended with the job"
     message = (f"rank 1 on {socket.gethostname()}: rank 0 did not finish preparing the data "
