@@ -216,6 +216,7 @@ class WindowSource(ArraySource):
                                  f"file [time, *frame]")
         self._one_per_file = layouts[0][0] == 1
         self._squeezed = layouts[0][1]
+        self._refuse_cf(layouts[0][0])
         first, per_row, longest, short = [0], [], 0, 0
         for shape in shapes:
             rows, steps = (1, shape[0]) if self._one_per_file else (shape[0], shape[1])
@@ -246,6 +247,35 @@ class WindowSource(ArraySource):
                                  f"'{self.dataset}' holds {total} (with {w}.stride="
                                  f"{self.stride}); lower the count or {w}.stride")
         return total if count is None else int(count)
+
+    def _refuse_cf(self, leading: int) -> None:
+        """A NetCDF / Zarr variable that is CF-packed, or whose named dims put a level or a
+        grid axis where the windows read trajectory or time, would be read wrong without a
+        word (raw counts; level as time): refused, pointing at data.variables."""
+        with self._member(0) as store:
+            if store.format not in ("netcdf", "zarr"):
+                return
+            array = store.get(self.dataset, f"{self.fields_key}.{self.input_name}")
+            attrs = dict(getattr(array, "attrs", {}) or {})
+            dims = getattr(array, "dimensions", None)
+            if dims is None and store.format == "zarr":
+                dims = getattr(getattr(array, "metadata", None), "dimension_names", None)
+        where = (f"{self._where(0)}: variable '{self.dataset}' "
+                 f"({self.fields_key}.{self.input_name})")
+        packed = sorted({"scale_factor", "add_offset"} & set(attrs))
+        if packed:
+            raise ArrayDataError(f"{where} is CF-packed ({', '.join(packed)}): windows of "
+                                 f"stored arrays read raw values; list it in data.variables "
+                                 f"(decoded as xarray does, with data.splits)")
+        named = [str(d) for d in (dims or ()) if d]
+        axes = {"level", "pressure_level", "plev", "isobaricInhPa", "lev", "latitude", "lat",
+                "longitude", "lon"}
+        wrong = [d for d in named[:leading] if d in axes]
+        if wrong:
+            axis = "the time" if leading == 1 else "the trajectory or time"
+            raise ArrayDataError(f"{where} has dims {named}: windows of stored arrays would "
+                                 f"read '{wrong[0]}' as {axis} axis; list it in "
+                                 f"data.variables (dims taken by name, with data.splits)")
 
     def locate(self, name: str, record: int) -> tuple[int, int]:
         """(member, trajectory row in it; -1 for a one-trajectory file) of window `record`."""

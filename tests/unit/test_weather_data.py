@@ -417,3 +417,24 @@ def test_mask_trains_finite_on_two_ranks(tmp_path):
     assert len(evals) == 3 and np.isfinite(evals).all()
     last = [x for x in records if "eval_loss" in x][-1]
     assert np.isfinite(last["lat_mse_sst_1"]) and np.isfinite(last["persistence_lat_mse_t2m_1"])
+
+
+def test_stored_array_windows_refuse_packed_and_level_as_time(files):
+    """WindowSource (windows of stored arrays, positional axes) refuses a CF-packed variable
+    (it would read raw counts) and a WB2 variable whose level would be read as time."""
+    from spmd.data.windows import WindowSource
+
+    def windows(path, dataset, frame):
+        fields = {n: BatchField(frame, np.float32, AXES[:len(frame) + 1]) for n in "uv"}
+        return WindowSource(path, dataset, fields, 2, input_name="u", target_name="v")
+
+    with pytest.raises(ArrayDataError) as e:
+        windows(files["root"] / "nc", "u10", (6, 12, 1)).check()
+    msg = one_line(e)
+    assert "variable 'u10'" in msg and "CF-packed" in msg and "data.variables" in msg
+    with pytest.raises(ArrayDataError) as e:
+        windows(files["zarr"], "geopotential", (12, 6, 1)).check()
+    msg = one_line(e)
+    assert "'geopotential'" in msg and "read 'level' as the trajectory or time" in msg
+    plain = windows(files["root"] / "nc", "t2m", (6, 12, 1))   # a plain variable: as before,
+    assert plain.count == 1096 - 3                              # no window across files
