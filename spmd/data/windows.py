@@ -29,6 +29,10 @@ Invariants:
   open files.
 - Every error names the file, the dataset path and the key to change (`data.window.*`,
   `data.fields.*`, `data.path`); a damaged file's error names the window too.
+- Windows of stored arrays take axes by position: a CF-packed NetCDF / Zarr variable, or
+  one whose dimension names put a level or a grid axis first, is refused (gridded files
+  are read by spmd.data.gridded_windows, `data.variables`); so is a test split read from a
+  path without `{split}` (it would be the train split).
 """
 
 from __future__ import annotations
@@ -135,6 +139,11 @@ class WindowSource(ArraySource):
         if cfg.data.path is None:
             raise ArrayDataError(f"data.path is not set: the task {cfg.task} reads "
                                  f"trajectories from a file (made by `spmd data make CONFIG`)")
+        if getattr(cfg.data, "variables", None) is not None:
+            raise ArrayDataError(
+                f"data.variables is set, but the task {cfg.task} reads stored arrays "
+                f"(data.fields); gridded files need a task built on "
+                f"spmd.tasks.gridded_task.GriddedTrajectoryTask (or unset data.variables)")
         window = cfg.data.window
         if window is None:
             raise ArrayDataError(f"data.window is not set: the task {cfg.task} trains on time "

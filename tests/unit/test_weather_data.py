@@ -361,6 +361,9 @@ def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
     with pytest.raises(ArrayDataError) as e:
         WindowSource.from_config(cfg, "test", fields, "{split}/w", **kw)
     assert "data.fields.u=w has no {split}" in one_line(e)
+    gridded = cfg.model_copy(update={"data": cfg.data.model_copy(update={"variables": ["w"]})})
+    with pytest.raises(ArrayDataError, match="data.variables is set, but the task"):
+        WindowSource.from_config(gridded, "train", fields, "{split}/w", **kw)
 
 
 # --------------------------------------------------------------------- end to end
