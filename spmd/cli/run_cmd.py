@@ -384,6 +384,16 @@ def job_status(statuses: list[int], n: int, signalled: int | tuple[int, ...] | N
     return ExitCode.ORPHANED
 
 
+def killed_starting(statuses: list[int], code: int, signalled: tuple[int, ...]) -> bool:
+    """Whether the ranks without a status died of the preemption signal this process sent,
+    in their shim's first moment, before its Python could block it (the shim then leaves no
+    status): the launcher reports that signal (`code`: S or 128+S), and every rank that left
+    a status stopped for it, died of it or finished."""
+    deaths = {s for sig in signalled for s in (sig, 128 + sig)}
+    return (any(s in PREEMPTING for s in signalled) and code in deaths
+            and all(c in (0, ExitCode.PREEMPTED) or c - 128 in signalled for c in statuses))
+
+
 def received(ending: dict[str, float]) -> tuple[int, ...]:
     """The signals the ranks may have had from this job's ending: the one forwarded to them,
     and the one this process received (a whole-job signal reaches every rank directly)."""
@@ -538,6 +548,15 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
               "while starting, before they could save anything: preempted, exiting "
               f"{int(ExitCode.PREEMPTED)} (requeue the job; the run resumes from its last "
               "checkpoint)", file=sys.stderr, flush=True)
+    if (decided is None and args.entry == "train" and killed_starting(
+            statuses, code, received(ending))):
+        print(f"spmd run: {args.n - len(statuses)} of {args.n} ranks ended by "
+              f"{signal.Signals(code - 128 if code > 128 else code).name} while starting "
+              "(their shims "
+              "too, before they could pass it on), before they could save anything: "
+              f"preempted, exiting {int(ExitCode.PREEMPTED)} (requeue the job; the run "
+              "resumes from its last checkpoint)", file=sys.stderr, flush=True)
+        decided = ExitCode.PREEMPTED
     if decided is not None:  # the ranks' own statuses, not the launcher's (Hydra ORs them)
         code = decided
     elif (code != ExitCode.PREEMPTED and run_dir is not None
