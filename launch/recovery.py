@@ -134,6 +134,17 @@ class Outcome:
             by_host.setdefault(host, []).append(rank)
         return [h for h, ranks in by_host.items() if not seen.intersection(ranks)]
 
+    def dead_hosts(self) -> list[str]:
+        """Hosts every rank of which the launcher reports dead by a signal, or (when it
+        reports exits) unaccounted for: the node itself is suspect."""
+        ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
+        alive = ended | self.exited_ranks if self.exited_ranks else ended
+        by_host: dict[str, list[int]] = {}
+        for rank, host in self.hosts_of_ranks().items():
+            by_host.setdefault(host, []).append(rank)
+        return [h for h, ranks in by_host.items() if not alive.intersection(ranks)
+                and (self.exited_ranks or set(ranks) <= set(self.killed_ranks))]
+
     def silent_ranks(self) -> list[int]:
         """Ranks that started but wrote no end record (killed, or ended by a watchdog)."""
         ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
@@ -232,10 +243,12 @@ class Decision:
     failed_rank: int | None = None
     failed_hosts: tuple[str, ...] = ()
     failed_at: float | None = None   # the earliest evidence of the failure
+    suspects: tuple[str, ...] = ()   # hosts where every rank died: left out while spares last
 
     def as_record(self) -> dict:
         d = asdict(self)
         d["exclude"], d["failed_hosts"] = list(self.exclude), list(self.failed_hosts)
+        d["suspects"] = list(self.suspects)
         return d
 
 
@@ -282,7 +295,8 @@ def classify(out: Outcome, plan: Plan, state: State) -> Decision:
             if COMM_ERROR.search(str(failed["error"])):   # a peer gone, seen by a survivor
                 return Decision("relaunch", "process_lost", f"{line} (a lost peer: the "
                                 "error is the network's, not the code's)", st,
-                                failed_rank=rank, failed_at=when)
+                                failed_rank=rank, failed_at=when,
+                                suspects=tuple(out.dead_hosts()))
             return Decision("relaunch", "error", line, code, failed_rank=rank,
                             failed_hosts=(host,) if host else (), failed_at=when)
     hung = [e for e in out.records if e.get("event") == "hung"]
@@ -306,7 +320,8 @@ def classify(out: Outcome, plan: Plan, state: State) -> Decision:
         cause = f"the launcher ended with status {st} and no rank said why"
     when = out.last_record_time([rank]) if rank is not None else None
     return Decision("relaunch", "process_lost", cause, st, failed_rank=rank,
-                    failed_hosts=(hosts[rank],) if rank in hosts else (), failed_at=when)
+                    failed_hosts=(hosts[rank],) if rank in hosts else (), failed_at=when,
+                    suspects=tuple(out.dead_hosts()))
 
 
 def decide(out: Outcome, plan: Plan, state: State) -> Decision:
@@ -333,6 +348,11 @@ def decide(out: Outcome, plan: Plan, state: State) -> Decision:
     exclude = tuple(dict.fromkeys([*state.excluded, *out.down_hosts,
                                    *(d.failed_hosts if d.kind == "node_lost" else ())]))
     if d.kind != "node_lost":
+        spare = [h for h in plan.hosts if h not in exclude and h not in d.suspects]
+        if d.suspects and plan.can_exclude and len(spare) >= state.nodes:
+            return _with(d, "relaunch", d.status, f"{d.cause}; leaving out "
+                         f"{', '.join(d.suspects)}, where every rank died, while a spare is "
+                         "there", nodes=state.nodes, exclude=(*exclude, *d.suspects))
         return _with(d, "relaunch", d.status, d.cause, nodes=state.nodes, exclude=exclude)
     if not plan.can_exclude:
         return _with(d, "requeue", REQUEUE_STATUS, f"{d.cause}; this launcher cannot leave a "
@@ -352,7 +372,8 @@ def decide(out: Outcome, plan: Plan, state: State) -> Decision:
 
 def _with(d: Decision, action: Action, status: int, cause: str, **kw: object) -> Decision:
     return Decision(action, d.kind, cause, status, failed_rank=d.failed_rank,
-                    failed_hosts=d.failed_hosts, failed_at=d.failed_at, **kw)  # type: ignore[arg-type]
+                    failed_hosts=d.failed_hosts, failed_at=d.failed_at, suspects=d.suspects,
+                    **kw)  # type: ignore[arg-type]
 
 
 def _same_error(a: str, b: str) -> bool:

@@ -116,6 +116,23 @@ def test_a_killed_rank_on_a_healthy_node_is_relaunched_in_place():
     assert "rank 5 on n3 died (Killed)" in d.cause
 
 
+def test_a_host_where_every_rank_died_is_left_out_while_a_spare_is_there():
+    # both ranks on n3 killed (the node's processes went with it), the others exited 1
+    out = Outcome(status=137, records=four_nodes_ranks(), killed_ranks={4: "Killed",
+                                                                        5: "Killed"},
+                  exited_ranks={0, 1, 2, 3, 6, 7})
+    d = decide(out, plan(), State(nodes=4))
+    assert (d.kind, d.action, d.exclude) == ("process_lost", "relaunch", ("n3",))
+    assert "where every rank died" in d.cause
+    # no spare left: in place (a suspect is no proof)
+    d = decide(out, plan(), State(nodes=4, excluded=["n5"]))
+    assert d.exclude == ("n5",)
+    # one of two ranks of a host killed: the host answered for the other one
+    out = Outcome(status=137, records=four_nodes_ranks(), killed_ranks={5: "Killed"},
+                  exited_ranks={0, 1, 2, 3, 4, 6, 7})
+    assert decide(out, plan(), State(nodes=4)).exclude == ()
+
+
 def test_ranks_that_ended_without_a_word_are_named():
     records = started("n1", "n1") + [{"event": "saved", "rank": 0, "time": 101.0}]
     d = decide(Outcome(status=69, records=records), plan(nodes=1, hosts=("n1",)),
