@@ -169,6 +169,8 @@ class InMesh:
             return self.fn.lower(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("fn", "mesh"):   # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.fn, name)
 
 

@@ -173,7 +173,8 @@ def test_load_eval_predict_export_and_plan_work_on_the_run(workdir, trained):
     assert loaded.step == STEPS and is_explicit(loaded.mesh)
     tokens = (np.arange(3 * 16, dtype=np.int32).reshape(3, 16) * 5) % 64
     with jax.set_mesh(loaded.mesh):        # the model's out_sharding=P(...) needs it
-        direct = np.asarray(loaded.task.predict(loaded.model, {"inputs": tokens}))
+        direct = np.asarray(jax.jit(lambda x: loaded.task.predict(loaded.model,
+                                                                 {"inputs": x}))(tokens))
     assert direct.shape == (3, 16)
 
     # spmd eval, on the run's own 8-device mesh: the trained model does better than at start
