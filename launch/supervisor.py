@@ -56,6 +56,35 @@ LEASE_NAME = "lease.json"     # spmd.rundir.lease's file (this layer may not imp
 HUNG_NAME = "HUNG"            # spmd.comm.hang_watchdog's report of a hang
 GRACE_S = 10.0   # a rank died by a signal: the others may end on their own this long
 POLL_S = 15.0    # between two looks at the scheduler's node states during a try
+READ_S = 2.0     # between two reads of the ranks' new records during a try
+ENDING_S = 10.0  # a failure's ranks end within this (spmd.comm.job_failure's waits)
+
+
+class _Follow:
+    """The records appended to events.jsonl since a time, read incrementally."""
+
+    def __init__(self, path: Path, since: float):
+        self.path, self.since, self.offset, self.rest = path, since, 0, b""
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        lines = (self.rest + data).split(b"\n")
+        self.rest = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and float(e.get("time", 0)) >= self.since:
+                out.append(e)
+        return out
 
 
 def say(msg: str) -> None:
@@ -123,6 +152,9 @@ class Supervisor:
         broken_at: float | None = None
         next_poll = time.monotonic() + self.poll_s
         aborted = False
+        announced_at: float | None = None
+        events = _Follow(self.run_dir / "events.jsonl", started)
+        next_read = time.monotonic() + READ_S
         while True:
             try:
                 return proc.wait(timeout=0.5)
@@ -144,6 +176,15 @@ class Supervisor:
                         "try")
                     aborted = self._abort(proc)
                     continue
+            if announced_at is None and now >= next_read:
+                next_read = now + READ_S
+                if any(e.get("event") in ("failed", "hung") for e in events.new()):
+                    announced_at = now
+            if announced_at is not None and now - announced_at >= self.grace_s + ENDING_S:
+                say(f"the ranks reported a failure {now - announced_at:.0f} s ago and the "
+                    "launcher still runs (ranks on a lost node?): ending the try")
+                aborted = self._abort(proc)
+                continue
             if broken_at is not None and now - broken_at >= self.grace_s:
                 say(f"a rank or node died and the others still run {self.grace_s:g} s later: "
                     "ending the try")

@@ -607,3 +607,21 @@ def test_a_host_the_scheduler_reports_down_ends_the_try(bindir, tmp_path):
     assert code == 0, err
     assert "n2 of this try is down for the scheduler: ending the try" in err
     assert calls(tmp_path, "srun")[1].startswith("srun --exclude=n2"), calls(tmp_path, "srun")
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_a_launcher_that_outlives_the_ranks_failure_is_ended(bindir, tmp_path):
+    # a survivor announced a network error; the launcher waits on a lost node's tasks
+    stuck = {"events": [{"event": "started", "rank": 0, "host": "n1"},
+                        {"event": "started", "rank": 1, "host": "n2"},
+                        {"event": "failed", "rank": 0, "host": "n1", "first": True,
+                         "exit_code": 1, "error": "Gloo connection reset by peer"}],
+             "stderr": "srun: error: n1: task 0: Exited with exit code 1\n", "hang": 60}
+    t0 = time.monotonic()
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun -N{nodes}", [stuck, FINISHES], "--max-restarts", "1",
+        "--grace", "1", "--poll", "0", env={"SLURM_JOB_NODELIST": "n[1-3]"})
+    assert code == 0 and time.monotonic() - t0 < 40, err
+    assert "the ranks reported a failure" in err and "ending the try" in err
+    decision = records(run_dir)[1]
+    assert decision["kind"] == "node_lost" and decision["exclude"] == ["n2"], decision
