@@ -6,7 +6,8 @@ resolving to themselves, the steps traced under `jax.set_mesh`.
 
 The fast tests check the mesh, the rule table, the parameter placement and the errors. The
 slow ones train in this process on 8 CPU devices: losses under fsdp and fsdp_tp equal one
-device's, a resume from a checkpoint is bit-identical, and `spmd.load`, `spmd eval`,
+device's, a resume from a checkpoint is bit-identical (and resharded onto another strategy
+it matches), and `spmd.load`, `spmd eval`,
 `spmd predict`, `spmd export` and `spmd plan` work on the trained run.
 """
 
@@ -156,6 +157,15 @@ def test_fsdp_and_fsdp_tp_train_like_one_device_and_resume_bit_identically(
     assert [e["step"] for e in events if e["event"] == "restored"] == [2]
     got = metrics(resumed)
     assert [got[s] for s in (3, 4)] == [full[s] for s in (3, 4)]   # bit for bit
+
+    # resharded on restore: the fsdp_tp step-2 checkpoint resumed under fsdp (fsdp=8)
+    other = workdir / "resumed_fsdp"
+    shutil.copytree(trained, other)
+    shutil.rmtree(other / "checkpoints" / str(STEPS))
+    cfg["run"]["dir"], cfg["mesh"]["strategy"] = str(other), "fsdp"
+    assert spmd.train(cfg) == 0
+    got = metrics(other)
+    np.testing.assert_allclose([got[s] for s in (3, 4)], [full[s] for s in (3, 4)], rtol=1e-5)
 
 
 @pytest.mark.slow
