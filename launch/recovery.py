@@ -105,6 +105,7 @@ class Outcome:
     records: list[dict] = field(default_factory=list)   # events.jsonl records of this try
     killed_ranks: dict[int, str] = field(default_factory=dict)  # rank -> how (the launcher's)
     exited_ranks: set[int] = field(default_factory=set)   # ranks the launcher saw exit
+    reported_ranks: set[int] = field(default_factory=set)  # any other rank it said ended
     down_hosts: list[str] = field(default_factory=list)   # hosts the scheduler reports down
     failed_nodes: list[str] = field(default_factory=list)  # nodes the launcher reports failed
     signalled: bool = False                       # the supervisor got a stop/warning signal
@@ -128,7 +129,7 @@ class Outcome:
         if not self.exited_ranks:
             return []
         ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
-        seen = ended | self.exited_ranks | set(self.killed_ranks)
+        seen = ended | self.exited_ranks | set(self.killed_ranks) | self.reported_ranks
         by_host: dict[str, list[int]] = {}
         for rank, host in self.hosts_of_ranks().items():
             by_host.setdefault(host, []).append(rank)
@@ -138,7 +139,7 @@ class Outcome:
         """Hosts every rank of which the launcher reports dead by a signal, or (when it
         reports exits) unaccounted for: the node itself is suspect."""
         ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
-        alive = ended | self.exited_ranks if self.exited_ranks else ended
+        alive = ended | self.exited_ranks | (self.reported_ranks - set(self.killed_ranks))
         by_host: dict[str, list[int]] = {}
         for rank, host in self.hosts_of_ranks().items():
             by_host.setdefault(host, []).append(rank)

@@ -103,6 +103,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.signalled: int | None = None
         self.grace_s, self.poll_s = GRACE_S, POLL_S
+        self.before_abort: str | None = None   # the launcher's report when we ended the try
 
     # ------------------------------------------------------------ signals
 
@@ -174,7 +175,7 @@ class Supervisor:
                 if down:
                     say(f"{', '.join(down)} of this try is down for the scheduler: ending the "
                         "try")
-                    aborted = self._abort(proc)
+                    aborted = self._abort(proc, tail)
                     continue
             if announced_at is None and now >= next_read:
                 next_read = now + READ_S
@@ -183,17 +184,19 @@ class Supervisor:
             if announced_at is not None and now - announced_at >= self.grace_s + ENDING_S:
                 say(f"the ranks reported a failure {now - announced_at:.0f} s ago and the "
                     "launcher still runs (ranks on a lost node?): ending the try")
-                aborted = self._abort(proc)
+                aborted = self._abort(proc, tail)
                 continue
             if broken_at is not None and now - broken_at >= self.grace_s:
                 say(f"a rank or node died and the others still run {self.grace_s:g} s later: "
                     "ending the try")
-                aborted = self._abort(proc)
+                aborted = self._abort(proc, tail)
 
-    def _abort(self, proc: subprocess.Popen) -> bool:
+    def _abort(self, proc: subprocess.Popen, tail: deque[str]) -> bool:
         """End a broken try: srun aborts its step on two SIGINTs within a second (SIGKILL to
         every task); other launchers, and an srun still there 10 s later, get SIGKILL with
-        their process group."""
+        their process group. What the launcher reported until now is kept: the deaths that
+        follow are ours."""
+        self.before_abort = "".join(tail)
         if self.scheduler == "slurm":
             for _ in range(2):
                 try:
@@ -257,14 +260,17 @@ class Supervisor:
                           "job_id": job_identity(os.environ)[0]})
             say(f"try {attempt}: {state.nodes} node(s) x {plan.ranks_per_node} rank(s)"
                 + (f", leaving out {', '.join(state.excluded)}" if state.excluded else ""))
+            self.before_abort = None
             status, stderr = self._try(argv, attempt, started)
+            before = stderr if self.before_abort is None else self.before_abort
             ended = time.time()
             if status == 0 and self.signalled is None:
                 return 0
             down = (node_state.down_hosts(self.scheduler, plan.hosts)
                     if plan.hosts and self.signalled is None else [])
             outcome = Outcome(status=status, records=read_records(self.run_dir, started),
-                              killed_ranks=killed_from_launcher(stderr),
+                              killed_ranks=killed_from_launcher(before),
+                              reported_ranks=set(killed_from_launcher(stderr)),
                               exited_ranks=exited_from_launcher(stderr),
                               failed_nodes=failed_nodes_from_launcher(stderr), down_hosts=down,
                               signalled=self.signalled is not None, started_at=started,

@@ -309,6 +309,9 @@ tries = json.loads(os.environ["FAKE_TRIES"])
 t = tries[min(n, len(tries) - 1)]
 got = []
 signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))
+if "on_abort" in t:   # srun's report of the tasks its abort killed
+    signal.signal(signal.SIGINT, lambda s, f: (sys.stderr.write(t["on_abort"]),
+                                               sys.stderr.flush(), os._exit(137)))
 with open(os.path.join(os.environ["FAKE_RUN_DIR"], "events.jsonl"), "a") as fh:
     for e in t.get("events", []):
         fh.write(json.dumps({"time": time.time(), **e}) + "\n")
@@ -625,3 +628,19 @@ def test_a_launcher_that_outlives_the_ranks_failure_is_ended(bindir, tmp_path):
     assert "the ranks reported a failure" in err and "ending the try" in err
     decision = records(run_dir)[1]
     assert decision["kind"] == "node_lost" and decision["exclude"] == ["n2"], decision
+
+
+@pytest.mark.slow   # runs the supervisor and its stand-in launchers
+def test_deaths_the_supervisor_caused_do_not_turn_an_error_into_a_lost_rank(bindir, tmp_path):
+    error = {"events": [{"event": "started", "rank": 0, "host": "n1"},
+                        {"event": "started", "rank": 1, "host": "n2"},
+                        {"event": "failed", "rank": 1, "host": "n2", "first": True,
+                         "exit_code": 1, "error": "KeyError: 'x'"}],
+             "stderr": "srun: error: n2: task 1: Exited with exit code 1\n", "hang": 60,
+             "on_abort": "srun: error: n1: task 0: Killed\n"}
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun -N{nodes}", [error, FINISHES], "--max-restarts", "2",
+        "--grace", "0", "--poll", "0", env={"SLURM_JOB_NODELIST": "n[1-3]"})
+    assert code == 1 and len(calls(tmp_path, "srun")) == 1, err
+    decision = records(run_dir)[1]
+    assert (decision["kind"], decision["action"], decision["exclude"]) == ("error", "stop", [])
