@@ -35,6 +35,7 @@ class RankCopy:
     bytes: int
     partners: list[int] = field(default_factory=list)   # ranks whose copies it holds
     problem: str = ""           # damaged: what is wrong with the marker
+    host: str = ""              # the host that committed it (its marker), "" if unknown
 
 
 @dataclass
@@ -79,7 +80,8 @@ def scan_local(root: Path) -> list[LocalStep]:
             partners = list(marker.get("partners", [])) if marker else []
             if marker:
                 nprocs = marker.get("num_processes", nprocs)
-            copies.append(RankCopy(rank, state, tree_size(d), partners, problem))
+            host = str(marker.get("host", "")) if marker else ""
+            copies.append(RankCopy(rank, state, tree_size(d), partners, problem, host))
         have = {c.rank for c in copies if c.state == "committed"}
         have |= {q for c in copies if c.state == "committed" for q in c.partners}
         committed = nprocs is not None and all(r in have for r in range(nprocs))

@@ -9,6 +9,13 @@
 
 Everything a process writes lives under its own rank directory, so wiping one process's
 local storage is deleting that directory. A step counts for rank r when its COMMITTED exists.
+COMMITTED names the host that wrote it (`spmd ckpt ls`, run on each node, says which node
+holds what).
+
+A restarted job may number its ranks differently on a node (a node was lost and the ranks
+after it moved up): a rank that finds no directory of its own for a step also offers the
+committed copies its node's other rank directories hold (`LocalTier.copies`), so that what
+survives on a node's disk is found whichever rank now runs there.
 COMMITTED also records `params_finite` (spmd.checkpoint.finite): retention (`prune`) never
 drops the newest committed step whose parameters are finite (absent: finite).
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -264,7 +272,7 @@ class LocalTier:
         marker = {"format": FORMAT, "step": step, "rank": self.rank, "signature": layout.signature,
                   "num_processes": layout.num_processes, "files": files,
                   "partners": [q for q in self.held_for if f"partner-{rank_name(q)}.json" in files],
-                  "time": time.time()}
+                  "host": socket.gethostname(), "time": time.time()}
         if params_finite is not None:
             marker["params_finite"] = params_finite
         write_json_atomic(self.rank_dir(step) / MARKER, marker, fsync=self.fsync)
@@ -309,31 +317,53 @@ class LocalTier:
         """Committed copies matching `signature` (or one of several: each copy records which):
         own {step: copy}, held {(step, owner): copy}.
 
-        Also returns notes on copies skipped (other layout, unreadable marker).
+        Also returns notes on copies skipped (other layout, unreadable marker). A step with
+        no directory of this rank offers the committed copies of the other rank directories
+        on this disk instead (held: their own pieces and their partner copies; module doc).
         """
         signatures = {signature} if isinstance(signature, str) else set(signature)
         own: dict[int, LocalCopy] = {}
         held: dict[tuple[int, int], LocalCopy] = {}
-        notes = []
+        notes: list[str] = []
         for step in self.steps_on_disk():
-            m = self.marker(step)
-            if m is None:
-                continue
-            d = self.rank_dir(step)
-            sig = m.get("signature")
-            if sig not in signatures or m.get("num_processes") != self.size:
-                notes.append(f"{d}: saved with another layout ({m.get('num_processes')} "
-                             f"processes, signature {m.get('signature')}); not usable here")
-                continue
-            files = m.get("files", {})
-            if INDEX in files:
-                own[step] = LocalCopy(step, self.rank, d / DATA, d / INDEX, files[INDEX], sig)
-            for q in m.get("partners", []):
-                base = f"partner-{rank_name(q)}"
-                if f"{base}.json" in files:
-                    held[(step, q)] = LocalCopy(step, q, d / f"{base}.bin", d / f"{base}.json",
-                                                files[f"{base}.json"], sig)
+            if self.rank_dir(step).is_dir():
+                dirs = [(self.rank, self.rank_dir(step))]
+            else:
+                dirs = [(int(m.group(1)), p) for p in sorted(self.step_dir(step).iterdir())
+                        if (m := _RANK_DIR.match(p.name)) and p.is_dir()]
+            for writer, d in dirs:
+                self._add_copies(step, writer, d, signatures, own, held, notes)
         return own, held, notes
+
+    def _add_copies(self, step: int, writer: int, d: Path, signatures: set[str],
+                    own: dict[int, LocalCopy], held: dict[tuple[int, int], LocalCopy],
+                    notes: list[str]) -> None:
+        """The committed copies in rank `writer`'s directory `d` of `step`."""
+        try:
+            m = read_json(d / MARKER)
+        except (OSError, ChecksumError):
+            return
+        sig = m.get("signature")
+        if sig not in signatures or m.get("num_processes") != self.size:
+            notes.append(f"{d}: saved with another layout ({m.get('num_processes')} "
+                         f"processes, signature {m.get('signature')}); not usable here")
+            return
+        files = m.get("files", {})
+        if INDEX in files:
+            copy = LocalCopy(step, writer, d / DATA, d / INDEX, files[INDEX], sig)
+            if writer == self.rank:
+                own[step] = copy
+            else:
+                held.setdefault((step, writer), copy)
+        for q in m.get("partners", []):
+            base = f"partner-{rank_name(q)}"
+            if f"{base}.json" in files and q != self.rank:
+                held.setdefault((step, q), LocalCopy(step, q, d / f"{base}.bin",
+                                                     d / f"{base}.json", files[f"{base}.json"],
+                                                     sig))
+            elif f"{base}.json" in files:     # a copy of this rank's pieces, held here
+                own.setdefault(step, LocalCopy(step, q, d / f"{base}.bin", d / f"{base}.json",
+                                               files[f"{base}.json"], sig))
 
     # ------------------------------------------------------------------ load
 

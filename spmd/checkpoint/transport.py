@@ -94,6 +94,13 @@ class Transport:
         comm, req = world.Idup()
         _wait_one(req, timeout_s, f"rank {rank}: duplicating the MPI communicator for "
                                   "checkpoint transfers")
+        # Idup can complete on one rank (rank 0) before the others, and an MPI without
+        # asynchronous progress (MPICH over libfabric's tcp provider, across nodes) completes
+        # theirs only while that rank still calls into MPI: a barrier on the new communicator
+        # keeps every rank here until all have it (seen as a hang of every other node in the
+        # next barrier outside MPI, Orbax's)
+        _wait_one(comm.Ibarrier(), timeout_s, f"rank {rank}: waiting for every rank to "
+                                               "duplicate the MPI communicator")
         return cls(comm, rank, timeout_s)
 
     def exchange(self, sends: Sequence[Outgoing], recvs: Sequence[Incoming], tag: int,

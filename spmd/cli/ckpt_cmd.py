@@ -7,13 +7,16 @@ step's parameters hold NaN/Inf (one NON-FINITE line per step and parameter, with
 
 Both read RUN_DIR/config.yaml for the tier directories (defaults: RUN_DIR/local and
 RUN_DIR/checkpoints). A node-local tier on another node is not visible from here: run these on
-the node (e.g. inside the allocation) to see it.
+the node (e.g. inside the allocation: `srun --ntasks-per-node=1 spmd ckpt ls RUN_DIR`) to see
+it. Each rank copy names the host that committed it, and `ls` names the host it runs on, so
+the listings of several nodes say which node holds what.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -75,7 +78,8 @@ def _ls(args: argparse.Namespace) -> int:
     latest_local = max((s.step for s in local if s.committed), default=None)
     latest_persistent = max((s.step for s in persistent if s.state == "committed"), default=None)
     if args.json:
-        print(json.dumps({"local_dir": str(local_dir), "persistent_dir": str(persistent_dir),
+        print(json.dumps({"host": socket.gethostname(), "local_dir": str(local_dir),
+                          "persistent_dir": str(persistent_dir),
                           "local": [as_dict(s) for s in local],
                           "persistent": [as_dict(s) for s in persistent],
                           "latest": {"local": latest_local, "persistent": latest_persistent},
@@ -83,7 +87,8 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(f"lease: {args.run_dir / LEASE_NAME}: "
           + (lease.describe(stale_s) if lease else "none (no run is writing here)"))
-    print(f"local tier: {local_dir}" + ("" if local_dir.is_dir() else "  (not visible here)"))
+    print(f"local tier: {local_dir} on {socket.gethostname()}"
+          + ("" if local_dir.is_dir() else "  (not visible here)"))
     for s in local:
         state = "committed" if s.committed else "NOT committed"
         total = sum(c.bytes for c in s.ranks)
@@ -93,7 +98,8 @@ def _ls(args: argparse.Namespace) -> int:
             held = (f", holds partner copies of rank(s) {', '.join(map(str, c.partners))}"
                     if c.partners else "")
             why = f"  ({c.problem})" if c.problem else ""
-            print(f"      rank {c.rank:<5} {c.state:<9} {_size(c.bytes):>10}{held}{why}")
+            on = f" on {c.host}" if c.host else ""
+            print(f"      rank {c.rank:<5} {c.state:<9} {_size(c.bytes):>10}{on}{held}{why}")
     print(f"persistent tier: {persistent_dir}"
           + ("" if persistent_dir.is_dir() else "  (does not exist)"))
     for p in persistent:
