@@ -366,6 +366,31 @@ def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
         WindowSource.from_config(gridded, "train", fields, "{split}/w", **kw)
 
 
+def test_task_loss_is_latitude_weighted_and_masked(files, tmp_path):
+    """GriddedTrajectoryTask's loss on a batch with NaN over land: the mean of the squared
+    error over sea points only, weighted by cos(latitude) (NumPy reference)."""
+    from flax import nnx
+
+    from spmd.config.load import build_task, load_config
+    from tests.helpers.weather_task import TinyWeatherTask
+
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG.format(run=tmp_path / "run", data=files["sst"][0].parent))
+    task = build_task(load_config(config, ["data.normalize=false"], task=TinyWeatherTask))
+    assert task.frame_shape() == (6, 12, 4) and task.input_channels() == 6
+    assert task.channel_names()[0] == "sst" and task.dt() == 24.0
+    batch = task.train_source().rows(0, 0, 8)
+    model = task.build_model(nnx.Rngs(0))
+    loss, _ = task.loss(model, batch)
+    pred = np.asarray(model(batch["input"]))
+    w = np.cos(np.deg2rad(task.latitudes()))[None, :, None, None] / np.cos(
+        np.deg2rad(task.latitudes())).mean() * batch["target_mask"]
+    want = ((pred - batch["target"]) ** 2 * w).sum() / w.sum()
+    assert np.isclose(float(loss), want, rtol=1e-5)
+    sea = ~land(*grid())
+    assert batch["target_mask"][:, ~sea, 0].sum() == 0 and batch["target_mask"][:, sea].all()
+
+
 # --------------------------------------------------------------------- end to end
 
 CONFIG = """\
