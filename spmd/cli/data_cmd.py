@@ -2,8 +2,8 @@
 dataset), describe it, or compute the per-channel statistics that data.normalize uses.
 
 With data.variables (gridded weather / climate files) `info` prints the timeline, the
-splits and the channel table, and `stats` the NaN-aware statistics per channel of the
-decoded values (rank 0 computes them; nothing is stored: the task computes its own).
+splits and the channel table, and `stats` stores the NaN-aware statistics per channel of
+the decoded values beside the data (rank 0 computes them), where data.normalize reads them.
 
 `stats` runs in one process or on every rank of a job (mpiexec, srun):
 rank r reads its contiguous share of the records, the ranks exchange their partial
@@ -103,7 +103,7 @@ def run_stats(args: argparse.Namespace) -> int:
                             f"statistics of")
         if isinstance(source, GriddedWindowSource):
             if env.rank == 0:
-                print(_channel_stats(source, args.json))
+                print(_channel_stats(source, args.split, args.json))
             return 0
         stamp, part = None, None
         try:
@@ -189,20 +189,32 @@ def _table(target: Any, split: str, entries: dict) -> str:
     return "\n".join(lines)
 
 
-def _channel_stats(source: Any, as_json: bool) -> str:
-    """The NaN-aware per-channel statistics of a gridded source's split (data.variables:
-    decoded values, over every time of its windows), as a table or one JSON object."""
-    stats = source.channel_statistics()
+def _channel_stats(source: Any, split: str, as_json: bool) -> str:
+    """Store the NaN-aware per-channel statistics of a gridded source's split (data.variables:
+    decoded values, over every time of its windows) beside the data, where data.normalize
+    reads them; a table or one JSON object of them."""
+    from spmd.data.normalization import data_fingerprint, write_statistics
+
+    stamp = data_fingerprint(source.path, source.where)
+    part = source.statistics_part()
+    key = source.statistics_key()
     names = [c.name for c in source.channels]
+    target = write_statistics(source.path, part, split=split, fingerprint=stamp,
+                              where=source.where, channel_names={key: names})
+    e = json.loads(target.read_text())["datasets"][key]
     if as_json:
-        return json.dumps({"data": str(source.path), "split": source.split, "channels": {
-            n: {k: float(v[i]) for k, v in stats.items()} for i, n in enumerate(names)}})
-    lines = [f"statistics of split {source.split} of {source.path} (NaN left out)",
-             f"{'channel':<24} {'count':>12} {'mean':>13} {'std':>13} {'min':>13} {'max':>13}"]
+        return json.dumps({"file": str(target), "data": str(source.path), "split": split,
+                           "dataset": key, "channels": {
+                               n: {k: e[k][i] for k in ("count", "missing", "mean", "std",
+                                                        "min", "max")}
+                               for i, n in enumerate(names)}})
+    lines = [f"statistics of split {split} ({key}) -> {target} (NaN left out)",
+             f"{'channel':<24} {'count':>12} {'missing':>9} {'mean':>13} {'std':>13} "
+             f"{'min':>13} {'max':>13}"]
     for i, name in enumerate(names):
-        lines.append(f"{name:<24} {int(stats['count'][i]):>12} {stats['mean'][i]:>13.6g} "
-                     f"{stats['std'][i]:>13.6g} {stats['min'][i]:>13.6g} "
-                     f"{stats['max'][i]:>13.6g}")
+        lines.append(f"{name:<24} {e['count'][i]:>12} {e['missing'][i]:>9} "
+                     f"{e['mean'][i]:>13.6g} {e['std'][i]:>13.6g} {e['min'][i]:>13.6g} "
+                     f"{e['max'][i]:>13.6g}")
     return "\n".join(lines)
 
 

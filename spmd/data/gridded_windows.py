@@ -264,8 +264,8 @@ class GriddedWindowSource(ArraySource):
     def statistics_plan(self) -> dict[str, tuple[bool, int]]:
         raise ArrayDataError(
             f"{self.where}: data.variables are decoded on read; their statistics are "
-            f"GriddedWindowSource.channel_statistics(), not the stored arrays' (`spmd data "
-            f"stats` of raw datasets would read packed counts)")
+            f"GriddedWindowSource.statistics_part() (`spmd data stats CONFIG`), not the raw "
+            f"arrays' (packed counts)")
 
     def channel_statistics(self) -> dict[str, np.ndarray]:
         """Per channel over every time of the split's windows, NaN ignored (float64): count
@@ -289,7 +289,31 @@ class GriddedWindowSource(ArraySource):
                 hi = np.maximum(hi, np.nanmax(np.where(ok, v, -np.inf), 0))
         mean = s1 / np.maximum(n, 1)
         std = np.sqrt(np.maximum(s2 / np.maximum(n, 1) - mean * mean, 0.0))
-        return {"count": n, "mean": mean, "std": std, "min": lo, "max": hi}
+        points = int(used.sum()) * len(self.timeline.lat) * len(self.timeline.lon)
+        return {"count": n, "mean": mean, "std": std, "min": lo, "max": hi,
+                "missing": points - n, "times": np.full(c, float(used.sum()))}
+
+    def statistics_key(self) -> str:
+        """The name of this split's channel statistics in the statistics file beside the
+        data (spmd.data.normalization): the channels and the time range."""
+        return f"variables[{','.join(c.name for c in self.channels)}] {self._range_text()}"
+
+    def statistics_part(self) -> dict[str, Any]:
+        """channel_statistics in the merged form `normalization.write_statistics` stores
+        (one entry, rows = the times used)."""
+        st = self.channel_statistics()
+        rows = int(st["times"][0])
+        n = st["count"]
+
+        def bound(v: np.ndarray) -> list[float | None]:
+            return [float(x) if np.isfinite(x) else None for x in v]
+
+        return {"datasets": {self.statistics_key(): {
+            "per_channel": True, "channels": len(self.channels), "rows": rows,
+            "range": [0, rows], "count": n.astype(np.int64).tolist(),
+            "missing": np.asarray(st["missing"], np.int64).tolist(),
+            "mean": st["mean"].tolist(), "m2": (st["std"] ** 2 * n).tolist(),
+            "min": bound(st["min"]), "max": bound(st["max"])}}}
 
     # --------------------------------------------------------- reading
 

@@ -22,7 +22,8 @@ Invariants:
 - The model's input is `(lat, lon, input_steps * C + K)`: the frames, then the K
   constants, which stay the same through a rollout (only the frames are fed back).
 - With data.normalize the frames (not the constants) are normalized per channel with the
-  train split's NaN-aware statistics (GriddedWindowSource.channel_statistics), kept in
+  train split's NaN-aware statistics, stored beside the data (`spmd data stats CONFIG`, or
+  the coordinator's `prepare` when they are missing or stale) and kept in
   run.dir/normalization.json as TrajectoryTask keeps its own.
 - The loss and `eval_loss` are weighted by cos(latitude) (normalized to mean 1;
   `latitude_weighted_loss = False` turns it off). With data.nan: mask they are means over
@@ -44,6 +45,8 @@ from spmd.data.channels import parse_channels
 from spmd.data.file_index import load_index
 from spmd.data.gridded_timeline import Timeline, build_timeline
 from spmd.data.gridded_windows import GriddedWindowSource
+from spmd.data.normalization import data_fingerprint, load_statistics, write_statistics
+from spmd.data.stores import ArrayDataError
 from spmd.errors import ConfigError
 from spmd.tasks.base import ModelCfg
 from spmd.tasks.field_task import run_normalization
@@ -128,7 +131,10 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
         d = self.cfg.data
         fill = None
         if d.normalize and d.nan != "error" and not self.__dict__.get("_in_statistics"):
-            fill = self.normalization()[0]      # NaN -> the channel's mean: 0 in model units
+            try:                                # NaN -> the channel's mean: 0 in model units
+                fill = self.normalization()[0]
+            except ArrayDataError:              # no statistics yet (`spmd data stats`): the
+                fill = None                     # loss asks for them again, and fails there
         return GriddedWindowSource.from_config(
             self.cfg, split, fields, input_name=self.input_name, target_name=self.target_name,
             mask_name=self.mask_name if d.nan == "mask" else None,
@@ -149,20 +155,37 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
                 f"{train.index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
+        """Check the files; with data.normalize, the coordinator computes the train split's
+        channel statistics and stores them beside the data when they are missing or stale
+        (as `spmd data stats CONFIG` does)."""
         self.grid()
+        if is_coordinator and self.cfg.data.normalize:
+            source = self._statistics_source()
+            try:
+                load_statistics(source.path, [source.statistics_key()], where=source.where)
+            except ArrayDataError as e:
+                log.info("data.normalize: %s; computing them now", e)
+                stamp = data_fingerprint(source.path, source.where)
+                target = write_statistics(source.path, source.statistics_part(),
+                                          split="train", fingerprint=stamp,
+                                          where=source.where,
+                                          channel_names={source.statistics_key():
+                                                         self.channels()})
+                log.info("data.normalize: stored the train split's statistics in %s", target)
 
-    def _stored_normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _statistics_source(self) -> GriddedWindowSource:
         self._in_statistics = True           # statistics skip NaN: no fill needed
         try:
-            stats = self.train_source().channel_statistics()
+            return self.train_source()
         finally:
             self._in_statistics = False
-        if np.any(stats["count"] == 0):
-            empty = [n for n, k in zip(self.channels(), stats["count"]) if k == 0]
-            raise ConfigError(f"data.normalize: channel(s) {empty} hold no valid value in the "
-                              f"train split (all NaN)")
-        std = np.maximum(stats["std"], 1e-12)
-        return {self.state_name: (stats["mean"].astype(np.float32), std.astype(np.float32))}
+
+    def _stored_normalization(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        source = self._statistics_source()
+        key = source.statistics_key()
+        stats = load_statistics(source.path, [key], where=source.where)[key]
+        return {self.state_name: (stats.mean.astype(np.float32),
+                                  stats.scale().astype(np.float32))}
 
     def normalization(self) -> tuple[np.ndarray, np.ndarray] | None:
         if not self.cfg.data.normalize:
