@@ -280,6 +280,33 @@ def test_differing_grid_and_overlapping_files_refused(files, tmp_path):
     assert "overlap" in one_line(e) and "b.nc" in str(e.value)
 
 
+def test_new_cds_names_and_an_irregular_step(tmp_path):
+    """ERA5's newer names (valid_time, pressure_level) and lat/lon are found by name; a
+    step that is not a whole number of steps is refused naming the file and the time."""
+    from tests.helpers.era5_files import dataset, times
+
+    lat, lon = grid()
+    d = tmp_path / "cds"
+    d.mkdir()
+    ds = dataset(times((2000,))[:40], lat, lon).rename(
+        time="valid_time", level="pressure_level", latitude="lat", longitude="lon")
+    ds.to_netcdf(d / "a.nc")
+    src = source(d, ["t2m", {"geopotential": [850]}], constants=("latitude",))
+    assert src.count == 39 and src.frame == (6, 12, 2)
+    want = ds["geopotential"].sel(pressure_level=850).values[:2]
+    assert np.array_equal(src.rows(0, 0, 1)["target"][0, ..., 1], want[1])
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    t = times((2000,))[:40].copy()
+    t[20:] += np.timedelta64(6, "h")
+    dataset(t, lat, lon).to_netcdf(odd / "a.nc")
+    with pytest.raises(ArrayDataError) as e:
+        source(odd, ["t2m"]).check()
+    msg = one_line(e)
+    assert all(s in msg for s in ("a.nc", "variable 'time'", "irregularly", "time[20]",
+                                  "2000-01-21T06:00", "step is 24 h"))
+
+
 def test_nan_error_names_file_variable_and_time(files):
     sst_dir = files["sst"][0].parent
     with pytest.raises(ArrayDataError) as e:
