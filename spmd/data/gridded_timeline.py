@@ -26,6 +26,8 @@ Every error is one line naming the file, the variable and the coordinate value.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ import numpy as np
 
 from spmd.data.cf_decode import Coding, coding_of
 from spmd.data.channels import COORDINATE_CONSTANTS, Channel
-from spmd.data.stores import ArrayDataError, detect_format
+from spmd.data.stores import ArrayDataError, detect_format, fingerprint
 
 __all__ = ["FileAxes", "Timeline", "VarInfo", "build_timeline", "scan_file"]
 
@@ -105,9 +107,27 @@ def _role_dims(ds: Any) -> dict[str, str]:
     return out
 
 
+_SCANS: dict[tuple[str, str], FileAxes] = {}     # (path, fingerprint) -> its axes
+
+
 def scan_file(path: Path, where: str) -> FileAxes:
-    """The axes and variables of one NetCDF4 / HDF5 file or Zarr store (through xarray)."""
+    """The axes and variables of one NetCDF4 / HDF5 file or Zarr store (through xarray),
+    remembered per process while the file's size and mtime stay the same (a task's train
+    and test sources scan each file once)."""
     path = Path(path)
+    try:
+        key = (str(path), json.dumps(fingerprint(path), sort_keys=True))
+    except OSError:
+        key = None
+    if key is not None and key in _SCANS:
+        return dataclasses.replace(_SCANS[key], flip_lat=False)
+    axes = _scan(path, where)
+    if key is not None:
+        _SCANS[key] = axes
+    return dataclasses.replace(axes)
+
+
+def _scan(path: Path, where: str) -> FileAxes:
     fmt = detect_format(path)
     try:
         ds = _open(path, fmt)
