@@ -9,25 +9,33 @@ Checkpoints of either mode, including those written before this module, restore 
 
 The previous job's mode names the form of the steps that job saved, not of older ones: a
 restore that falls back to an older step (the newest is damaged, or a node-local tier was
-lost) may meet the other form. `restore_any_form` restores onto the predicted form first and,
-when that fails, onto the other one, so such a step restores too (and is converted).
-Left: the local tier skips a copy whose layout is not the predicted form's (it does not
-fail), so after two switches of mode and a job that ended before its first save, an older
-local step of the predicted form may be restored in place of a newer one of the other
-form (logged as "local checkpoint skipped"); a record of each step's form would close it.
+lost) may meet the other form. So:
+- the run records the mode of each job from the step it starts at (`record_form`, in
+  run.dir/nonfinite_forms.json), and the form predicted for a restore is that of the newest
+  step (`saved_form`), not the previous job's: a node-local copy in another layout than the
+  predicted one is skipped, not failed, so a wrong guess could restore an older step;
+- `restore_any_form` restores onto the predicted form first and, when that fails (a fallback
+  to an older step, or a run from before the record), onto the other one; either is
+  converted into this job's form.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["form_of", "nonfinite_restore_target", "nonfinite_switched", "restore_any_form"]
+__all__ = ["FORMS_FILE", "form_of", "nonfinite_restore_target", "nonfinite_switched",
+           "record_form", "restore_any_form", "saved_form"]
+
+FORMS_FILE = "nonfinite_forms.json"   # in run.dir: [[first step, mode], ...], a job each
 
 log = logging.getLogger("spmd.engine")
 R = TypeVar("R")
@@ -97,3 +105,36 @@ def restore_any_form(restore: Callable[[Any], R], abstract: Any, saved: str | No
             return restore(other), other
         except errors:
             raise error from None
+
+
+def _forms(run_dir: Path) -> list[tuple[int, str]]:
+    try:
+        entries = json.loads((Path(run_dir) / FORMS_FILE).read_text())
+        return [(int(start), str(mode)) for start, mode in entries
+                if str(mode) in ("stop", "skip")]
+    except (OSError, ValueError, TypeError):
+        return []   # none yet (a run from before the record), or unreadable: not known
+
+
+def saved_form(run_dir: Path, step: int | None) -> str | None:
+    """The `train.nonfinite` mode whose form checkpoint `step` holds: that of the last job
+    that started before it (run.dir/nonfinite_forms.json); None: not recorded."""
+    if step is None:
+        return None
+    earlier = [mode for start, mode in _forms(run_dir) if start < step]
+    return earlier[-1] if earlier else None
+
+
+def record_form(run_dir: Path, start: int, mode: str) -> None:
+    """Rank 0, once this job's state is restored (or initialized) at step `start`: the steps
+    it saves, after `start`, hold `mode`'s form. The entries of jobs that started at or after
+    `start` go: the steps they saved are gone with this restore of an older one."""
+    entries = [[s, m] for s, m in _forms(run_dir) if s < start] + [[int(start), mode]]
+    path = Path(run_dir) / FORMS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(entries) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:   # the restore then guesses from config.yaml, and retries
+        log.warning("could not record the train.nonfinite form of this job's steps in %s: %s",
+                    path, e)

@@ -39,7 +39,13 @@ from spmd.checkpoint import Checkpointer, CheckpointError, Restored
 from spmd.config.schema import Config, migrate_deprecated
 from spmd.data.order import FULL_SHUFFLE
 from spmd.engine.engine_config import EngineSections
-from spmd.engine.nonfinite import form_of, nonfinite_switched, restore_any_form
+from spmd.engine.nonfinite import (
+    form_of,
+    nonfinite_switched,
+    record_form,
+    restore_any_form,
+    saved_form,
+)
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import ADDED_FIELDS, fill_ema, train_rng
 from spmd.errors import ConfigError
@@ -152,7 +158,18 @@ def keep_data_order(cfg: Config, run_dir: Path) -> tuple[Config, tuple[int, str]
 def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | None,
                   run_dir: Path, events: Any, params_only: bool = False) -> Restored | None:
     """Collective: the restored state as this config's recipe allows (module docstring), or
-    None (nothing to restore: initialize). `params_only`: `checkpoint.params_only`."""
+    None (nothing to restore: initialize). `params_only`: `checkpoint.params_only`. Rank 0
+    then records the train.nonfinite form of the steps this job saves (spmd.engine.nonfinite).
+    """
+    restored = _restore_state(rt, checkpointer, previous, run_dir, events, params_only)
+    if jax.process_index() == 0:
+        record_form(run_dir, restored.step if restored is not None else 0,
+                    rt.sections.train.nonfinite)
+    return restored
+
+
+def _restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | None,
+                   run_dir: Path, events: Any, params_only: bool) -> Restored | None:
     cfg, is_main = rt.sections, jax.process_index() == 0
     current = Recipe.of(cfg)
     old_name, new_name = (previous.optimizer_name if previous else None), cfg.optimizer.name
@@ -167,14 +184,15 @@ def restore_state(rt: Runtime, checkpointer: Checkpointer, previous: Recipe | No
                 f"set checkpoint.params_only=true to restore the parameters alone with a "
                 f"fresh {new_name} state, or train in another run.dir")
         return _params_only(rt, checkpointer, f"optimizer.name {old_name} -> {new_name}")
-    # the checkpoint holds the optimizer state in the previous job's train.nonfinite form
+    # the newest step's train.nonfinite form, as recorded; else the previous job's mode
     saved = ((_previous_config(run_dir) or {}).get("train") or {}).get("nonfinite", "stop")
+    saved = saved_form(run_dir, checkpointer.newest_step()) or (saved if previous else None)
     abstract = rt.state.abstract
     try:   # an older step (a fallback) may be in the other form: restore_any_form
         restored, target = restore_any_form(
             lambda t: checkpointer.restore(t, optional=ADDED_FIELDS,
                                            **({} if t is abstract else {"saves": abstract})),
-            abstract, saved if previous else None, (CheckpointError,))
+            abstract, saved, (CheckpointError,))
         if restored is not None and target is not abstract:
             restored = dataclasses.replace(restored,
                                            state=nonfinite_switched(restored.state, abstract))

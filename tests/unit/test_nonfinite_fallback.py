@@ -3,7 +3,12 @@
 it saved, not of older ones. When the newest step is lost (its node-local copy on a node the
 job no longer has, its persistent step removed or damaged), the step left may hold the
 other form of the optimizer state; it restores and is converted (spmd.engine.nonfinite).
-Before, this failed with status 2 and Orbax's "tree structures do not match"."""
+Before, this failed with status 2 and Orbax's "tree structures do not match".
+
+And a newest step saved under another mode than the previous job's (that job ended before
+its first save): the run's record of each job's mode (run.dir/nonfinite_forms.json) names
+its form. A guess from config.yaml would skip its node-local copies (another layout) and
+restore an older step in silence."""
 
 from __future__ import annotations
 
@@ -51,3 +56,17 @@ def test_a_fallback_to_a_step_of_the_other_mode_restores_and_converts(run_dir):
     newest = spmd.load(run_dir)
     assert newest.step == 10
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(newest.params))
+
+
+def test_the_newest_step_restores_in_its_recorded_form_not_the_previous_jobs(run_dir):
+    assert job(run_dir, 4, "stop") == ExitCode.OK      # steps 2, 4: stop's form
+    assert job(run_dir, 8, "skip") == ExitCode.OK      # 6, 8 (and persistent 8): skip's
+    for step in ("6", "8"):                            # left on the local tier only
+        shutil.rmtree(run_dir / "checkpoints" / step)
+    # a job under stop that saves nothing (the run is at its end): config.yaml says stop
+    assert job(run_dir, 8, "stop") == ExitCode.OK
+    assert "nonfinite: stop" in (run_dir / "config.yaml").read_text()
+    assert job(run_dir, 10, "stop") == ExitCode.OK
+    # not step 4 (persistent; 6 and 8 dropped): measured so without the record
+    assert restored(run_dir) == [4, 8, 8]
+    assert spmd.load(run_dir).step == 10
