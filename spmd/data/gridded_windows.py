@@ -53,7 +53,8 @@ from spmd.data.time_splits import split_range
 __all__ = ["GriddedWindowSource", "NAN_POLICIES"]
 
 NAN_POLICIES = ("error", "mask", "fill")
-BLOCK_BYTES = 4 << 20
+BLOCK_BYTES = 4 << 20                    # a read block: about this many bytes of frames
+MAX_BLOCK_BYTES = 64 << 20               # ... and never more (part of a longer chunk)
 
 
 class GriddedWindowSource(ArraySource):
@@ -231,9 +232,35 @@ class GriddedWindowSource(ArraySource):
         if not chunk:
             return max(1, BLOCK_BYTES // frame_bytes)
         rows = chunk * max(1, BLOCK_BYTES // (chunk * frame_bytes))
-        if rows * frame_bytes > 64 << 20:           # a huge chunk: read part of it
-            rows = max(1, (64 << 20) // frame_bytes)
+        if rows * frame_bytes > MAX_BLOCK_BYTES:    # a huge chunk: read part of it
+            rows = max(1, MAX_BLOCK_BYTES // frame_bytes)
         return rows
+
+    def layout_warnings(self) -> list[str]:
+        """One line per channel variable whose time chunks are longer than a read block:
+        each block then decompresses whole chunks for a part of them (the cost grows with
+        the chunk), with the command that rechunks the files."""
+        self.check()
+        tl, out = self._timeline, []
+        for name in dict.fromkeys(c.variable for c in self.channels):
+            for k, f in enumerate(tl.files):
+                with self._member(self._member_of[k]) as store:
+                    chunks = getattr(store.get(name, "data.variables"), "chunks", None)
+                if not chunks:
+                    continue
+                dims = f.variables[name].dims
+                ct = int(chunks[dims.index(f.dims["time"])])
+                if ct <= self._block_rows:
+                    continue
+                spec = ",".join(f"{d}/{1 if d == f.dims['time'] else n}"
+                                for d, n in zip(dims, f.variables[name].shape))
+                fix = (f"nccopy -c {spec} IN OUT" if f.format != "zarr" else
+                       "xarray: ds.chunk({'time': 1}).to_zarr(OUT)")
+                out.append(f"file {f.path}: variable '{name}' is chunked {tuple(chunks)} "
+                           f"({dims}): a read block of {self._block_rows} time steps "
+                           f"decompresses chunks of {ct}; rechunk: {fix}")
+                break
+        return out
 
     def _range_text(self) -> str:
         start, end = (None if t is None else np.datetime_as_string(t, unit="m")
@@ -259,7 +286,8 @@ class GriddedWindowSource(ArraySource):
         return (f"{self.where}: {tl.describe()}\nsplit {self.split} ({self._range_text()}): "
                 f"{self.count} windows of {self.span} steps, stride "
                 f"{self.stride}; data.nan: {self.nan}\n"
-                f"{channel_table(self.channels, self.constants, units)}")
+                f"{channel_table(self.channels, self.constants, units)}"
+                + "".join(f"\nwarning: {w}" for w in self.layout_warnings()))
 
     def statistics_plan(self) -> dict[str, tuple[bool, int]]:
         raise ArrayDataError(

@@ -307,6 +307,26 @@ def test_new_cds_names_and_an_irregular_step(tmp_path):
                                   "2000-01-21T06:00", "step is 24 h"))
 
 
+def test_layout_warning_names_the_rechunk_command(files, monkeypatch):
+    """A time chunk longer than a read block (netCDF's default chunks of a large grid) is
+    named by `spmd data info` with the command that rechunks; contiguous files are not."""
+    from spmd.data import gridded_windows
+
+    assert source(files["root"] / "nc", time_range=(None, END_2001)).layout_warnings() == []
+    monkeypatch.setattr(gridded_windows, "BLOCK_BYTES", 32 * 1024)     # as for a large grid
+    monkeypatch.setattr(gridded_windows, "MAX_BLOCK_BYTES", 32 * 1024)
+    src = source(files["root"] / "nc", time_range=(None, END_2001))
+    warnings = src.layout_warnings()
+    assert src._block_rows < 365 and len(warnings) == len(VARIABLES)
+    assert "era5_2001.nc" in warnings[0] and "nccopy -c time/1,latitude/6,longitude/12" in \
+        warnings[0]
+    assert "warning: file" in src.describe()
+    ds = xr.open_dataset(files["nc"][1]).load()             # the values do not change
+    assert np.array_equal(src.read_channel(1, Channel("t2m"), 0, 365), ds["t2m"].values)
+    got = src.rows(0, 0, 4)["input"]
+    assert np.array_equal(got, xarray_frames(files["nc"])[:4])
+
+
 def test_nan_error_names_file_variable_and_time(files):
     sst_dir = files["sst"][0].parent
     with pytest.raises(ArrayDataError) as e:
