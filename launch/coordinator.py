@@ -10,6 +10,7 @@ PBS_NODEFILE), or 127.0.0.1 when every rank runs on this host.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import zlib
@@ -24,14 +25,34 @@ from spmd.launch.nodes import first_host
 PORT_BASE, PORT_SPAN = 61440, 4096
 
 
-def own_address(hostname: str) -> str:
-    """An address of this host other ranks can reach: a non-loopback IPv4, else the name."""
+def own_address(hostname: str, environ: Mapping[str, str] | None = None) -> str:
+    """An address of this host other ranks can reach: a non-loopback IPv4 of `hostname`;
+    when the name resolves to loopback only (Debian's "127.0.1.1 HOST" line in /etc/hosts),
+    the address this host sends from towards the launch node (`routed_address`); else the
+    name. Never a loopback address: the other nodes would reach themselves."""
     try:
         infos = socket.getaddrinfo(hostname, None, socket.AF_INET, socket.SOCK_STREAM)
     except OSError:
-        return hostname
+        infos = []
     addrs = [i[4][0] for i in infos if not str(i[4][0]).startswith("127.")]
-    return str(addrs[0]) if addrs else hostname
+    if addrs:
+        return str(addrs[0])
+    return routed_address(os.environ if environ is None else environ) or hostname
+
+
+def routed_address(environ: Mapping[str, str]) -> str | None:
+    """This host's source address on the route to SLURM_LAUNCH_NODE_IPADDR (the node srun
+    ran on; connecting a UDP socket sends nothing), if that is set and not loopback."""
+    target = environ.get("SLURM_LAUNCH_NODE_IPADDR", "")
+    if not target:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            addr = str(s.getsockname()[0])
+    except OSError:
+        return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
 
 
 def free_port() -> int:
@@ -80,7 +101,8 @@ def choose(env: LaunchEnv, comm: Any, environ: Mapping[str, str],
     if comm is not None and comm.Get_size() == env.size:
         text = ""
         if env.rank == 0:
-            host = "127.0.0.1" if env.local_size == env.size else own_address(env.hostname)
+            host = ("127.0.0.1" if env.local_size == env.size
+                    else own_address(env.hostname, environ))
             text = f"{host}:{free_port()}"
         addr = mpi.bcast_str(comm, text, 0, timeout_s, env.who, "receive the coordinator address")
         return addr, "rank 0 bound a free port on its address, broadcast over MPI"

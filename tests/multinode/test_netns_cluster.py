@@ -1,6 +1,7 @@
 """The namespace cluster itself (tests/helpers/netns_cluster.py): what srun starts on a node
 sees that node's hostname, address and /local; no address outside the cluster's namespaces
-is reachable from a node; kill_node and stop leave no process, namespace or directory."""
+is reachable from a node (its only route is the cluster's subnet); it starts in under 30 s;
+kill_node and stop leave no process, namespace or directory."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import errno
 import json
 import subprocess
 import sys
+import time
 
 from tests.helpers.netns_cluster import (
     NETNS_DIR,
@@ -52,7 +54,9 @@ def test_each_node_has_its_own_hostname_address_and_local(netns_cluster):  # noq
 
 
 def test_stop_leaves_no_namespace_process_or_directory():
+    began = time.monotonic()
     c = start_netns_cluster(2)
+    assert time.monotonic() - began < 30, "the cluster took 30 s or more to start"
     names, root = list(c.namespaces), c.root
     pid = c.slurmd["node1"].pid
     killed = c.kill_node("node2")
