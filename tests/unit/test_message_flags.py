@@ -50,10 +50,15 @@ ROOTS = ("spmd", "launch", "sharding", "models", "jobscripts")
 # Flags of other tools that messages name on purpose, by tool. Keep it small: each entry must
 # still occur in a message (test_every_allowed_flag_still_occurs).
 OTHER_TOOLS: dict[str, set[str]] = {
-    "mpiexec": {"--version"},          # run_cmd: which MPI is this (`mpiexec --version`)
-    "srun": {"--gpus-per-task", "--mpi"},  # launch/: how to bind GPUs and give ranks PMI
-    "flux": {"--parent", "--signal"},  # flux.sh.j2: the chained submission and its signal
-    "sbatch": {"--signal"},            # slurm.sh.j2: how the warning signal is asked for
+    "mpiexec": {"--version",           # run_cmd: which MPI is this (`mpiexec --version`)
+                "--hosts"},            # pbs.sh.j2: a relaunch without the failed host
+    "srun": {"--gpus-per-task", "--mpi",  # launch/: how to bind GPUs and give ranks PMI
+             "--exclude",              # slurm.sh.j2: a relaunch without the failed node
+             "--ntasks-per-node"},     # ckpt_cmd: `spmd ckpt ls` once on every node
+    "flux": {"--parent", "--signal",   # flux.sh.j2: the chained submission and its signal
+             "--requires"},            # flux.sh.j2: a relaunch without the failed host
+    "sbatch": {"--signal",             # slurm.sh.j2: how the warning signal is asked for
+               "--no-kill"},           # slurm.sh.j2: the allocation outlives a failed node
     "scancel": {"--signal", "--batch"},  # slurm.sh.j2: sending that signal by hand
 }
 # Names that start another tool's command line in a message (besides OTHER_TOOLS' keys): a
