@@ -26,6 +26,7 @@ _PUBLIC = {
     "Task": "spmd.tasks.base",
     "FieldTask": "spmd.tasks.field_task",
     "TrajectoryTask": "spmd.tasks.trajectory_task",
+    "GriddedTrajectoryTask": "spmd.tasks.gridded_task",
     "BatchField": "spmd.data.batch",
     "DataSource": "spmd.data.batch",
     "ModelConfig": "spmd.tasks.base",

@@ -3,7 +3,8 @@
 The public names for a user's task load lazily (no h5py/grain import until used):
 `BatchField`, `DataSource`, and the on-disk array source `ArraySource` with its writer
 `write_arrays` and its error `ArrayDataError` (spmd.data.arrays), and `WindowSource`,
-time windows of stored trajectories (spmd.data.windows). Stores and formats
+time windows of stored trajectories (spmd.data.windows), and `GriddedWindowSource`,
+windows of weather / climate files read by variable name (spmd.data.gridded_windows). Stores and formats
 (HDF5, NetCDF4, Zarr, .npy) live in spmd.data.stores, many files as one dataset in
 spmd.data.file_index, background reads in spmd.data.prefetch (docs/data.md).
 
@@ -23,6 +24,7 @@ _PUBLIC = {
     "ArrayDataError": "spmd.data.arrays",
     "write_arrays": "spmd.data.arrays",
     "WindowSource": "spmd.data.windows",
+    "GriddedWindowSource": "spmd.data.gridded_windows",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -144,8 +144,16 @@ class ArraySource(RecordReads, MemberLeases):
         if unknown:
             raise ArrayDataError(f"data.fields names {unknown}, which are not batch fields "
                                  f"of the task {cfg.task} (its fields: {sorted(fields)})")
-        paths = {name: (cfg.data.fields.get(name) or defaults[name]).format(split=split)
-                 for name in fields}
+        named = {name: cfg.data.fields.get(name) or defaults[name] for name in fields}
+        same = sorted(name for name, path in named.items() if "{split}" not in path)
+        if same and split != "train":
+            key = (f"data.fields.{same[0]}" if cfg.data.fields.get(same[0])
+                   else f"the task's dataset path for '{same[0]}'")
+            raise ArrayDataError(
+                f"{key}={named[same[0]]} has no {{split}}: the {split} split would read the "
+                f"train split's records; store the splits in groups and write the path as "
+                f"{{split}}/<name> (data.path={cfg.data.path})")
+        paths = {name: path.format(split=split) for name, path in named.items()}
         until = cfg.train.steps if split == "train" else cfg.data.eval_batches
         return cls(cfg.data.path, paths, fields, cfg.train.batch_size, seed=cfg.train.seed,
                    shuffle=shuffle, count=count,
@@ -228,6 +236,7 @@ class ArraySource(RecordReads, MemberLeases):
     def _check(self, count: int | None) -> int:
         """Every dataset exists and fits its BatchField; the records usable (all the same)."""
         counts = {}
+        self._refuse_packed()
         for name, field in self.fields.items():
             key = self.field_key(name)
             want = field.example_shape
@@ -250,6 +259,31 @@ class ArraySource(RecordReads, MemberLeases):
             raise ArrayDataError(f"{self.where}: datasets hold different record counts "
                                  f"{counts}; give a count or fix the file")
         return have if count is None else int(count)
+
+    def _refuse_packed(self) -> None:
+        """A CF-packed NetCDF / Zarr variable (scale_factor / add_offset) would be read as
+        its raw counts without a word: refused, naming file and variable (checked in the
+        first member; gridded files are decoded as xarray does via data.variables)."""
+        member = self.files.members[0]
+        if member.format not in ("netcdf", "zarr"):
+            return
+        store = Store(member.path, self._where(0), member.format)   # not a lease: the
+        try:                                                       # read counters stay
+            for name, dataset in self.datasets.items():
+                try:
+                    attrs = dict(getattr(store.get(dataset, self.field_key(name)), "attrs",
+                                         {}) or {})
+                except ArrayDataError:
+                    continue                    # a missing dataset: _shapes says so
+                packed = sorted({"scale_factor", "add_offset"} & set(attrs))
+                if packed:
+                    raise ArrayDataError(
+                        f"{self._where(0)}: variable '{dataset}' ({self.field_key(name)}) "
+                        f"is CF-packed ({', '.join(packed)}): stored arrays are read raw, "
+                        f"as counts; rewrite it unpacked (xarray: encoding dtype float32) "
+                        f"or, for gridded weather files, list it in data.variables")
+        finally:
+            store.close()
 
     def statistics_plan(self) -> dict[str, tuple[bool, int]]:
         """What `spmd data stats` computes for this source (spmd.data.normalization): per

@@ -460,38 +460,8 @@ checkpoint: {{every: 3, persistent_every: 3}}
 """
 
 
-@pytest.mark.slow
-def test_mask_trains_finite_on_two_ranks(tmp_path):
-    """SST with NaN over land, data.nan: mask, data.normalize: `spmd data info` prints the
-    channel table; `spmd run -n 2` trains with finite losses and evaluates."""
-    import json
-
-    from tests.helpers.env import REPO, clean_env, run_spmd
-
-    data = tmp_path / "sst"
-    write_era5_years(data, (2000, 2001), zlib_year=None, sst=True)
-    config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(run=tmp_path / "run", data=data))
-    env = clean_env(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO))
-    info = run_spmd("data", "info", str(config), env=env, cwd=REPO)
-    assert info.returncode == 0, info.stderr[-3000:]
-    assert "geopotential_850" in info.stdout and "lsm" in info.stdout
-    assert "split test (2001-01-01T00:00 .. end): 363 windows" in info.stdout
-    stats = run_spmd("data", "stats", str(config), "--json", env=env, cwd=REPO)
-    assert stats.returncode == 0, stats.stderr[-3000:]
-    sst = json.loads(stats.stdout.splitlines()[-1])["channels"]["sst"]
-    sea = int((~land(*grid())).sum())
-    assert sst["count"] == 366 * sea and np.isfinite(sst["mean"])   # land NaN left out
-    r = run_spmd("run", "-n", "2", str(config), env=env, cwd=REPO, timeout=400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
-               .splitlines() if x]
-    losses = [x["loss"] for x in records if "loss" in x]
-    evals = [x["eval_loss"] for x in records if "eval_loss" in x]
-    assert len(losses) == 6 and np.isfinite(losses).all() and max(losses) < 50
-    assert len(evals) == 3 and np.isfinite(evals).all()
-    last = [x for x in records if "eval_loss" in x][-1]
-    assert np.isfinite(last["lat_mse_sst_1"]) and np.isfinite(last["persistence_lat_mse_t2m_1"])
+# The 2-rank data.nan: mask run (`spmd data info`, `data stats`, `run -n 2`) is part of the
+# weather flagship's one end-to-end run: tests/unit/test_weather_eval.py.
 
 
 def test_stored_array_windows_refuse_packed_and_level_as_time(files):

@@ -1,0 +1,72 @@
+"""The field-task source (spmd.data.arrays.ArraySource) on files written by xarray (issue 35):
+a CF-packed NetCDF4 / Zarr variable is refused in one line naming file and variable (it would
+be read as raw int16 counts), a plain one reads as xarray reads it, and a dataset path
+without {split} never makes the test split the train split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spmd.data.arrays import ArraySource
+from spmd.data.batch import BatchField
+from spmd.data.stores import ArrayDataError
+
+xr = pytest.importorskip("xarray")
+
+PACKED = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 5.0, "_FillValue": -32767}
+FIELDS = {n: BatchField((4, 3), np.float32, ("batch", "x", "channels")) for n in ("a", "u")}
+
+
+def write(path, fmt: str, packed: bool):
+    """Group `train` with variables a, u (sample, x, y) as xarray writes them."""
+    rng = np.random.default_rng(0)
+    ds = xr.Dataset({n: (("sample", "x", "y"), rng.normal(size=(6, 4, 3)).astype(np.float32))
+                     for n in ("a", "u")})
+    enc = {"u": dict(PACKED)} if packed else {}
+    if fmt == "netcdf":
+        ds.to_netcdf(path, group="train", encoding=enc, engine="netcdf4", format="NETCDF4")
+    else:
+        ds.to_zarr(path, group="train", encoding=enc, zarr_format=3, consolidated=False)
+    return path
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("fmt,name", [("netcdf", "f.nc"), ("zarr", "f.zarr")])
+def test_packed_variable_refused_plain_one_reads_as_xarray(tmp_path, fmt, name):
+    path = write(tmp_path / name, fmt, packed=True)
+    src = ArraySource(path, {"a": "train/a", "u": "train/u"}, FIELDS, 2, shuffle=False)
+    with pytest.raises(ArrayDataError) as e:
+        src.check()
+    msg = one_line(e)
+    assert str(path) in msg and "variable 'train/u'" in msg and "data.fields.u" in msg
+    assert "CF-packed" in msg and "data.variables" in msg
+
+    plain = write(tmp_path / f"plain_{name}", fmt, packed=False)
+    src = ArraySource(plain, {"a": "train/a", "u": "train/u"}, FIELDS, 2, shuffle=False)
+    kw = {"engine": "netcdf4"} if fmt == "netcdf" else {"engine": "zarr", "consolidated": False}
+    want = xr.open_dataset(plain, group="train", **kw)
+    got = src.rows(0, 0, 2)
+    np.testing.assert_array_equal(got["u"], want["u"].values[:2])
+    assert src.opened_files == [str(plain)]       # the check opened nothing it counts
+
+
+def test_dataset_path_without_split_refused_for_the_test_split(tmp_path):
+    from spmd.config.schema import Config, TrainConfig
+    from spmd.data.data_config import DataConfig
+
+    path = write(tmp_path / "f.nc", "netcdf", packed=False)
+    cfg = Config(data=DataConfig(path=path, fields={"u": "train/u"}),
+                 train=TrainConfig(batch_size=2, steps=1))
+    defaults = {"a": "{split}/a", "u": "{split}/u"}
+    train = ArraySource.from_config(cfg, "train", FIELDS, defaults, shuffle=False)
+    assert train.count == 6                                  # train reads train/u as asked
+    with pytest.raises(ArrayDataError) as e:
+        ArraySource.from_config(cfg, "test", FIELDS, defaults, shuffle=False)
+    msg = one_line(e)
+    assert "data.fields.u=train/u has no {split}" in msg and "test split" in msg
