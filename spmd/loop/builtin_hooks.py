@@ -241,8 +241,10 @@ class NonfiniteHook:
     `max_skips` and ended between two checks still stops the run at the next check.
     """
 
-    def __init__(self, train: TrainConfig, check_every: tuple[int, ...], events: EventLog):
+    def __init__(self, train: TrainConfig, check_every: tuple[int, ...], events: EventLog,
+                 data_probe: Callable[[int, int], str | None] | None = None):
         self.mode, self.max_skips = train.nonfinite, train.max_skips
+        self.data_probe = data_probe    # (first, last step) -> a NaN in their batches, or None
         self.check_every = tuple(n for n in check_every if n > 0)
         self.events = events
         self.checked = 0                # the last step whose metrics were read
@@ -278,9 +280,14 @@ class NonfiniteHook:
             why = f"non-finite loss or gradient norm at {when} (train.nonfinite=stop)"
         remedy = (f"raise train.max_skips above {self.max_skips}" if self.mode == "skip"
                   else "set train.nonfinite=skip")
+        found = self.data_probe(since, info.step) if self.data_probe is not None else None
+        advice = (f"{found}: the data hold it, and lowering optimizer.lr will not help; fix "
+                  f"the files (`spmd data stats CONFIG` counts missing values; gridded "
+                  f"data.variables take data.nan: mask or fill) or {remedy}"
+                  if found else f"lower optimizer.lr (or {remedy}) and run again")
         reason = (f"{why}: at step {info.step} loss {values['loss']}, grad_norm "
                   f"{values['grad_norm']}; nothing of it was saved, the newest checkpoint is "
-                  f"finite: lower optimizer.lr (or {remedy}) and run again")
+                  f"finite: {advice}")
         log.error("stopping: %s", reason)
         self.events.emit("nonfinite_stop", step=info.step, mode=self.mode,
                          loss=str(values["loss"]), grad_norm=str(values["grad_norm"]))

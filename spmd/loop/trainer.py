@@ -37,6 +37,7 @@ from spmd.comm.job_failure import FailureWatch, announce
 from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
+from spmd.data.nan_probe import nonfinite_in_batches
 from spmd.data.run_inputs import check_run_inputs
 from spmd.engine.engine_config import EngineSections
 from spmd.engine.mesh import build_mesh
@@ -411,7 +412,10 @@ class Trainer:
                               "profiler"))
         # before any hook that reads metrics or saves: it stops a non-finite run first
         nonfinite = NonfiniteHook(cfg.train, (cfg.run.log_every, cfg.checkpoint.every,
-                                              cfg.checkpoint.persistent_every), events)
+                                              cfg.checkpoint.persistent_every), events,
+                                  data_probe=lambda lo, hi: nonfinite_in_batches(
+                                      rt.task.train_source(), range(lo, hi),
+                                      cfg.train.batch_size))
         hooks += [Hook(preemption, 1, "preemption"),
                   Hook(stragglers.depart, 1, "stragglers-depart"),
                   Hook(nonfinite, 1, "nonfinite"), Hook(metrics, cfg.run.log_every, "metrics"),
