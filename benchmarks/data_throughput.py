@@ -709,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="NetCDF4 files of the gridded cases (default 2, one per 'year')")
     ap.add_argument("--gridded-steps", type=int, default=1464,
                     help="time steps per gridded file (default 1464: a 6-hourly year; "
-                         "--quick 96)")
+                         "--quick 64)")
     ap.add_argument("--nlat", type=int, default=32, help="gridded latitudes (default 32)")
     ap.add_argument("--nlon", type=int, default=64, help="gridded longitudes (default 64)")
     ap.add_argument("--quick", "--short", dest="quick", action="store_true",
@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.mb, args.reps = min(args.mb, 16), 1
-        args.gridded_steps = min(args.gridded_steps, 96)
+        args.gridded_steps = min(args.gridded_steps, 64)
     if args.train_steps is None:
         args.train_steps = 6 if args.quick else 200
     formats = [f for f in args.formats.split(",") if f]

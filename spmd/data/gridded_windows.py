@@ -156,7 +156,10 @@ class GriddedWindowSource(ArraySource):
         self._blocks: collections.OrderedDict[tuple[int, int], np.ndarray] = \
             collections.OrderedDict()
         self._block_rows: int = 1
+        self._block_nan: dict[tuple[int, int], bool] = {}   # block -> holds a NaN
         self._cache_lock = threading.Lock()
+        self._h5: dict[int, Any] = {}            # timeline file -> h5py.File (NetCDF4 reads)
+        self._h5_lock = threading.Lock()
 
     @property
     def timeline(self) -> Timeline:
@@ -349,6 +352,35 @@ class GriddedWindowSource(ArraySource):
         """Rows [lo, hi) of timeline file k's `channel`, decoded (xarray's dtype), as
         (time, latitude, longitude) in the timeline's latitude order."""
         f = self.timeline.files[k]
+        values = decode(self._read_raw(k, channel, lo, hi), f.variables[channel.variable].coding)
+        return values[:, ::-1] if f.flip_lat else values
+
+    def _h5_array(self, k: int, name: str) -> Any:
+        """Variable `name` of NetCDF4 timeline file k as an h5py dataset (a NetCDF4 variable
+        of the root group is the HDF5 dataset of its name), or None (then read through the
+        store): h5py reads a block without h5netcdf's per-access bookkeeping."""
+        f = self._timeline.files[k]
+        if f.format != "netcdf":
+            return None
+        with self._h5_lock:
+            handle = self._h5.get(k)
+            if handle is None:
+                import h5py
+
+                try:
+                    handle = h5py.File(f.path, "r")
+                except OSError as e:   # file systems without flock
+                    if "lock" not in str(e).lower():
+                        return None
+                    handle = h5py.File(f.path, "r", locking=False)
+                self._h5[k] = handle
+        node = handle.get(name)
+        return node if node is not None and hasattr(node, "shape") else None
+
+    def _read_raw(self, k: int, channel: Channel, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of timeline file k's `channel` as stored (raw, not decoded), as
+        (time, latitude, longitude), latitude as stored."""
+        f = self.timeline.files[k]
         var = f.variables[channel.variable]
         index: list[Any] = []
         keep: list[str] = []
@@ -361,18 +393,21 @@ class GriddedWindowSource(ArraySource):
             else:
                 index.append(slice(None))
                 keep.append("lat" if dim == f.dims["lat"] else "lon")
-        with self._member(self._member_of[k]) as store:
-            array = store.get(channel.variable, "data.variables")
-            try:
+        try:
+            array = self._h5_array(k, channel.variable)
+            if array is not None:
                 raw = np.asarray(array[tuple(index)])
-            except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged chunk
-                raise ArrayDataError(
-                    f"{self.where}: file {f.path}: reading variable '{channel.variable}' at "
-                    f"time index {lo}..{hi - 1} failed ({type(e).__name__}: {e}); the file "
-                    f"may be truncated or corrupt (left unchanged)") from None
-        raw = np.transpose(raw, [keep.index(d) for d in ("time", "lat", "lon")])
-        values = decode(raw, var.coding)
-        return values[:, ::-1] if f.flip_lat else values
+            else:
+                with self._member(self._member_of[k]) as store:
+                    array = store.get(channel.variable, "data.variables")
+                    raw = np.asarray(array[tuple(index)])
+        except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged chunk
+            raise ArrayDataError(
+                f"{self.where}: file {f.path}: reading variable '{channel.variable}' at "
+                f"time index {lo}..{hi - 1} failed ({type(e).__name__}: {e}); the file "
+                f"may be truncated or corrupt (left unchanged)") from None
+        order = [keep.index(d) for d in ("time", "lat", "lon")]
+        return raw if order == [0, 1, 2] else np.transpose(raw, order)
 
     def _block(self, k: int, b: int) -> np.ndarray:
         """Block b of timeline file k: decoded float32 (rows, lat, lon, C), cached."""
@@ -382,16 +417,26 @@ class GriddedWindowSource(ArraySource):
             if got is not None:
                 self._blocks.move_to_end(key)
                 return got
-        rows = len(self.timeline.files[k].times)
+        f = self.timeline.files[k]
+        rows = len(f.times)
         lo, hi = b * self._block_rows, min((b + 1) * self._block_rows, rows)
-        parts = [self.read_channel(k, c, lo, hi).astype(np.float32, copy=False)
-                 for c in self.channels]
-        block = np.stack(parts, axis=-1)
+        block = self._buffers.empty((hi - lo, len(self._timeline.lat),
+                                     len(self._timeline.lon), len(self.channels)), np.float32)
+        has_nan = False                           # once per block: windows skip the check
+        for i, c in enumerate(self.channels):     # one copy into the block (decoded)
+            raw = self._read_raw(k, c, lo, hi)
+            coding = f.variables[c.variable].coding
+            values = raw if coding.identity else decode(raw, coding)
+            if values.dtype.kind == "f":
+                has_nan = has_nan or bool(np.isnan(values).any())
+            block[..., i] = values[:, ::-1] if f.flip_lat else values
         with self._cache_lock:
             self._blocks[key] = block
+            self._block_nan[key] = has_nan
             total = sum(v.nbytes for v in self._blocks.values())
             while total > self.cache_bytes and len(self._blocks) > 1:
-                _, old = self._blocks.popitem(last=False)
+                gone, old = self._blocks.popitem(last=False)
+                self._block_nan.pop(gone, None)
                 total -= old.nbytes
         return block
 
@@ -467,9 +512,17 @@ class GriddedWindowSource(ArraySource):
             raise ValueError(f"{self.where}: rows [{start}, {stop}) outside the batch of "
                              f"{self.batch_size}")
         records = self.record_indices(step, start, stop)
-        out = {name: np.empty((len(records), *f.example_shape), dtype=f.dtype)
+        # from ArraySource's pool: memory used before (a fresh one costs page faults)
+        out = {name: self._buffers.empty((len(records), *f.example_shape), f.dtype)
                for name, f in self.fields.items()}
         self.check()
+        if self._rows_from_blocks(records, out):
+            if region:
+                for name, box in region.items():
+                    if box is not None and name in out:
+                        out[name] = out[name][(slice(None),
+                                               *(slice(lo, hi) for lo, hi in box))]
+            return out
         tl, nlat, nlon, c = self._timeline, *self.frame
         windows = np.empty((len(records), self.span, nlat, nlon, c), np.float32)
         per_file: collections.Counter[int] = collections.Counter()
@@ -510,10 +563,73 @@ class GriddedWindowSource(ArraySource):
                                                for f, n in per_file.items()}))
         return out
 
+    def _rows_from_blocks(self, records: Sequence[int], out: dict[str, np.ndarray]) -> bool:
+        """The common case, fast: the windows hold no NaN. A window inside one cached block
+        (that holds no NaN) is copied frame by frame from the block straight into its place
+        in the output (no window array, no NaN pass); one across blocks or files is joined
+        (`_frames`) and checked. False (out possibly half written) when a NaN is met: `rows`
+        then takes the general path, which applies data.nan."""
+        n, span, offs = self._block_rows, self.span, self._offsets_list
+        where: list[tuple[Any, int, int]] = []
+        per_file: collections.Counter[str] = collections.Counter()
+        files = self._timeline.files
+        for record in records:
+            t0 = int(self._starts[record])
+            k = bisect.bisect_right(offs, t0) - 1
+            a = t0 - offs[k]
+            if a + span > offs[k + 1] - offs[k] or a // n != (a + span - 1) // n:
+                window = self._frames(t0, t0 + span)      # across blocks or files: joined
+                if np.isnan(window).any():
+                    return False
+                where.append((window, 0, 0))
+                k1 = bisect.bisect_right(offs, t0 + span - 1) - 1
+                per_file.update(str(files[j].path) for j in range(k, k1 + 1))
+                continue
+            where.append((k, a // n, a - (a // n) * n))
+            per_file[str(files[k].path)] += 1
+        blocks = {}
+        for k, b, _ in where:
+            if not isinstance(k, np.ndarray) and (k, b) not in blocks:
+                blocks[(k, b)] = self._block(k, b)
+                with self._cache_lock:
+                    if self._block_nan.get((k, b), True):
+                        return False
+        c, steps = len(self.channels), self.input_steps
+        inp, tgt = out[self.input_name], out[self.target_name]
+        whole = self._const is None and steps == 1
+        for i, (k, b, a) in enumerate(where):
+            block = k if isinstance(k, np.ndarray) else blocks[(k, b)]
+            if whole:
+                inp[i] = block[a]
+            else:
+                for s in range(steps):
+                    inp[i, ..., s * c:(s + 1) * c] = block[a + s]
+            if span - steps == 1:
+                tgt[i] = block[a + steps]
+            else:
+                for s in range(steps, span):
+                    tgt[i, ..., (s - steps) * c:(s - steps + 1) * c] = block[a + s]
+        if self._const is not None:
+            inp[..., steps * c:] = self._const
+        if self.mask_name:
+            out[self.mask_name][...] = 1
+        nbytes = len(records) * span * int(np.prod(self.frame)) * 4
+        self._count_reads([(self.channels[0].variable, r, ()) for r in records], nbytes,
+                          per_file)
+        return True
+
+    def close(self) -> None:
+        """Close the files (the store handles and the h5py handles of NetCDF4 reads)."""
+        super().close()
+        with self._h5_lock:
+            for handle in self._h5.values():
+                handle.close()
+            self._h5.clear()
+
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         for k in ("_timeline", "_starts", "_member_of", "_const", "_blocks", "_block_rows",
-                  "_cache_lock", "_offsets_list"):
+                  "_cache_lock", "_offsets_list", "_block_nan", "_h5", "_h5_lock"):
             state.pop(k, None)
         return state
 

@@ -46,7 +46,7 @@ def test_input_wait_fraction_is_over_the_steps_after_the_first():
 
 
 def test_quick_feed_against_raw_read_in_both_formats(tmp_path):
-    proc, r = bench(tmp_path, "--mb", "2", "--train-steps", "0", "--profile")
+    proc, r = bench(tmp_path, "--mb", "2", "--train-steps", "0", "--profile", "--gridded", "")
     assert r["benchmark"] == "data_throughput" and r["mode"] == "quick"
     assert r["verdict"] is None and r["train"] is None
     assert set(r["formats"]) == {"hdf5", "zarr"} and r["feed"]["read_threads"] == 1
@@ -84,7 +84,7 @@ def test_quick_feed_against_raw_read_in_both_formats(tmp_path):
 def test_quick_training_run_reports_the_input_wait_fraction(tmp_path):
     tiny = ["model.depth=1", "model.embed=16", "model.mlp=16", "data.num_train=64",
             "data.num_test=16"]
-    _, r = bench(tmp_path, "--formats", "hdf5", "--mb", "1", "--no-cold",
+    _, r = bench(tmp_path, "--formats", "hdf5", "--mb", "1", "--no-cold", "--gridded", "",
                  "--config", "examples/vit2d/config.yaml", "--train-steps", "4",
                  *[a for s in tiny for a in ("--set", s)])
     assert set(r["formats"]["hdf5"]) >= {"warm"} and "cold" not in r["formats"]["hdf5"]
@@ -100,3 +100,35 @@ def test_quick_training_run_reports_the_input_wait_fraction(tmp_path):
     assert raw["warm"]["samples_per_s"] > 0 and "cold" not in raw
     assert isinstance(t["raw_outruns_consumption"], bool)
     assert "run.log_every=1" in t["command"] and "train.steps=4" in t["command"]
+
+
+def test_short_gridded_cases_report_feed_over_plain_read_per_layout(tmp_path):
+    """The xarray-written weather layouts (issue 35): each reports paired feed / plain-read
+    ratios, cold and warm, over the same windows; no target is checked in --short."""
+    proc, r = bench(tmp_path, "--formats", "", "--train-steps", "0", "--gridded-steps", "40")
+    assert r["formats"] == {} and r["verdict"] is None
+    g = r["gridded"]
+    assert g["variables"] == ["t2m", "u10", "v10", "msl"] and g["raw_block_steps"] == 256
+    assert set(g["layouts"]) == {"nc_plain", "nc_zlib_default", "nc_zlib_1xy", "zarr_t4"}
+    for name, layout in g["layouts"].items():
+        assert layout["windows"] == 2 * 40 - 1          # (t, t+1) across the two files
+        assert layout["feed_steps"] == layout["windows"] // 32
+        assert isinstance(layout["layout_warnings"], list)
+        for cache in ("cold", "warm"):
+            c = layout[cache]
+            feed, raw = c["feed"]["samples_per_s"], c["raw"]["samples_per_s"]
+            assert feed > 0 and raw > 0
+            assert c["ratio"]["n"] == 1
+            assert c["ratio"]["median"] == pytest.approx(feed / raw, rel=1e-3)
+        assert f"{name} " in proc.stdout
+    assert "feed/plain" in proc.stdout
+
+
+def test_full_mode_with_nothing_to_measure_does_not_crash(tmp_path):
+    """`--formats ""` once crashed the verdict (min() of no ratio)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--formats", "", "--gridded", "",
+                           "--train-steps", "0", "--dir", str(tmp_path)], capture_output=True,
+                          text=True, env=clean_env(compile_cache=False), timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS: feed/raw n/a" in proc.stdout
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["verdict"] == "PASS"
