@@ -1,5 +1,7 @@
 """`spmd data make|info|stats CONFIG [key=value ...]`: make data.path (solve the config's PDE
 dataset), describe it, or compute the per-channel statistics that data.normalize uses.
+`spmd data rechunk IN OUT` rewrites gridded files with chunks of one time step (what the
+layout warning of `info` asks for).
 
 With data.variables (gridded weather / climate files) `info` prints the timeline, the
 splits and the channel table, and `stats` stores the NaN-aware statistics per channel of
@@ -49,6 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="the split whose datasets to describe (default train)")
     stats.add_argument("--json", action="store_true", help="one JSON object on stdout")
     stats.set_defaults(func=run_stats)
+    rechunk = actions.add_parser(
+        "rechunk", help="rewrite NetCDF4 files or a Zarr store with chunks of TIME_CHUNK x "
+                        "latitude x longitude (the layout spmd data info asks for), via xarray")
+    rechunk.add_argument("source", help="a NetCDF4 file, a directory of them, or a Zarr store")
+    rechunk.add_argument("dest", help="the new file, directory or store (must not exist)")
+    rechunk.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk (1)")
+    rechunk.add_argument("--complevel", type=int, default=4,
+                         help="zlib level of NetCDF4 variables (default 4; 0: uncompressed)")
+    rechunk.set_defaults(func=run_rechunk)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +81,16 @@ def run(args: argparse.Namespace) -> int:
     if made is None:
         raise SpmdError(f"task {cfg.task} has no data set to make (it generates its data)")
     print(made)
+    return 0
+
+
+def run_rechunk(args: argparse.Namespace) -> int:
+    """`spmd data rechunk IN OUT`: spmd.data.rechunk.rechunk; prints the files written."""
+    from spmd.data.rechunk import rechunk
+
+    for path in rechunk(args.source, args.dest, time_chunk=args.time_chunk,
+                        complevel=args.complevel):
+        print(path)
     return 0
 
 

@@ -257,8 +257,9 @@ class GriddedWindowSource(ArraySource):
                     continue
                 spec = ",".join(f"{d}/{1 if d == f.dims['time'] else n}"
                                 for d, n in zip(dims, f.variables[name].shape))
-                fix = (f"nccopy -c {spec} IN OUT" if f.format != "zarr" else
-                       "xarray: ds.chunk({'time': 1}).to_zarr(OUT)")
+                fix = (f"spmd data rechunk IN OUT (or nccopy -c {spec} IN OUT)"
+                       if f.format != "zarr" else "spmd data rechunk IN.zarr OUT.zarr (or "
+                       "xarray: ds.chunk({'time': 1}).to_zarr(OUT))")
                 out.append(f"file {f.path}: variable '{name}' is chunked {tuple(chunks)} "
                            f"({dims}): a read block of {self._block_rows} time steps "
                            f"decompresses chunks of {ct}; rechunk: {fix}")
