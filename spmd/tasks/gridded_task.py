@@ -25,6 +25,11 @@ Invariants:
   train split's NaN-aware statistics, stored beside the data (`spmd data stats CONFIG`, or
   the coordinator's `prepare` when they are missing or stale) and kept in
   run.dir/normalization.json as TrajectoryTask keeps its own.
+- The evaluation adds, per channel and lead, latitude-weighted RMSE against persistence
+  (TrajectoryTask.weather_metrics) and, with `climatology_scores`, the anomaly correlation
+  `acc_<channel>_<lead>` against the train split's climatology (`climatology()`: each grid
+  point's mean over the train split's times, NaN ignored; read once per process when the
+  eval step is compiled).
 - The loss and `eval_loss` are weighted by cos(latitude) (normalized to mean 1;
   `latitude_weighted_loss = False` turns it off). With data.nan: mask they are means over
   the valid target points only (the mask field, 1 where the target was not NaN). With
@@ -48,6 +53,7 @@ from spmd.data.gridded_windows import GriddedWindowSource
 from spmd.data.normalization import data_fingerprint, load_statistics, write_statistics
 from spmd.data.stores import ArrayDataError
 from spmd.errors import ConfigError
+from spmd.scores.weather import ACC_PREFIX, acc, lead_key
 from spmd.tasks.base import ModelCfg
 from spmd.tasks.field_task import run_normalization
 from spmd.tasks.trajectory_task import TrajectoryTask
@@ -64,6 +70,7 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
     state_name = "channels"
     mask_name = "target_mask"
     latitude_weighted_loss: bool = True     # weight the loss by cos(latitude), mean 1
+    climatology_scores: bool = True         # acc_* against the train split's climatology
 
     # ------------------------------------------------------------ layout
 
@@ -197,6 +204,34 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
             self._normalization = cached
         return cached
 
+    def climatology(self) -> np.ndarray:
+        """The train split's climatology, float32 (lat, lon, C) in physical units: each grid
+        point's and channel's mean over every time of the train split's windows, NaN left
+        out (NaN where a point is never valid, e.g. sst over land). Cached per task."""
+        cached = self.__dict__.get("_climatology")
+        if cached is None:
+            cached = train_climatology(self._statistics_source())
+            self._climatology = cached
+        return cached
+
+    def weather_metrics(self, preds: list, truths: list, batch) -> dict:
+        """TrajectoryTask's lat-weighted scores, and with `climatology_scores` the
+        latitude-weighted ACC per channel and lead against `climatology()` (masked points
+        and points never valid in the train split left out)."""
+        metrics = super().weather_metrics(preds, truths, batch)
+        if not self.climatology_scores:
+            return metrics
+        c, steps = self.frame_channels(), len(preds)
+        mask = batch.get(self.mask_name)
+        if mask is not None:
+            mask = jnp.stack([mask[..., k * c:(k + 1) * c] for k in range(steps)], 1) > 0
+        table = acc(jnp.stack(preds, 1), jnp.stack(truths, 1), jnp.asarray(self.climatology()),
+                    self.latitudes(), mask=mask)               # (lead, channel)
+        for k in range(steps):
+            for i, name in enumerate(self.channel_names()):
+                metrics[lead_key(ACC_PREFIX, name, k + 1, steps)] = table[k, i]
+        return metrics
+
     # ------------------------------------------------------------ objective
 
     def rollout(self, model, inputs: jax.Array, steps: int) -> list[jax.Array]:
@@ -263,3 +298,28 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
         return {"input": x[..., last], "truth": truths[-1][..., 0],
                 "prediction": preds[-1][..., 0], "error": (preds[-1] - truths[-1])[..., 0],
                 "lead_error": lead_error}
+
+
+def train_climatology(source: GriddedWindowSource) -> np.ndarray:
+    """Per grid point and channel, the mean of the finite values over every time the
+    split's windows use (as `GriddedWindowSource.channel_statistics` walks them, a block at
+    a time), float32 (lat, lon, C); NaN where no value is finite."""
+    windows = source.count                          # checks the files, finds the windows
+    used = np.zeros(len(source.timeline.times), bool)
+    for t0 in source._starts[:windows]:
+        used[t0:t0 + source.span] = True
+    total: np.ndarray | None = None
+    count: np.ndarray | None = None
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8), [0]])))
+    for run_lo, run_hi in zip(edges[::2], edges[1::2]):
+        for a in range(int(run_lo), int(run_hi), source._block_rows):
+            v = source._frames(a, min(a + source._block_rows, int(run_hi))).astype(np.float64)
+            ok = np.isfinite(v)
+            part, n = np.where(ok, v, 0.0).sum(0), ok.sum(0)
+            total = part if total is None else total + part
+            count = n if count is None else count + n
+    if total is None:
+        raise ArrayDataError(f"{source.where}: the train split has no time to compute a "
+                             f"climatology from; widen data.splits.train")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan).astype(np.float32)

@@ -11,7 +11,10 @@ Independent checks:
 - persistence's lat-weighted RMSE equals one computed here with xarray from the files alone
   (cos-latitude weights of mean 1, the first eval windows of the test year), per lead;
 - the model's lat_rmse is the square root of the lat_mse the last evaluation logged in
-  metrics.jsonl (the same parameters and the same eval batches).
+  metrics.jsonl (the same parameters and the same eval batches);
+- the anomaly correlation against the train split's climatology (acc_<channel>_<lead>) is
+  reported, finite and in [-1, 1], land left out (tests/unit/test_weather_climatology.py
+  checks the climatology against xarray).
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ def test_spmd_eval_reports_lat_weighted_rmse_against_persistence(flagship):
             np.sqrt(last[f"lat_mse_t2m_{lead}"]), rel=1e-4)
         assert np.isfinite(metrics[f"lat_rmse_t2m_{lead}"])
         assert np.isfinite(metrics[f"lat_rmse_sst_{lead}"])      # land left out, not NaN
+        for channel in ("t2m", "sst", "geopotential_850"):       # ACC vs the train climatology
+            assert -1 <= metrics[f"acc_{channel}_{lead}"] <= 1, metrics.get(f"acc_{channel}_{lead}")
 
 
 def test_gridded_names_are_exported_where_users_look():
