@@ -40,6 +40,7 @@ def _test_dirs(item: pytest.Item) -> tuple[str, ...]:
 # is independent of the others.
 LONG_FIRST = ("tests/multiprocess/test_main_job.py", "tests/unit/test_scan_remat.py",
               "tests/multiprocess/test_examples.py", "tests/slurm/", "tests/openmpi/",
+              "tests/multinode/",
               "tests/multiprocess/test_fno_train.py", "tests/unit/test_benchmarks.py",
               "tests/multiprocess/test_optimizer_names.py",
               "tests/multiprocess/test_pipeline_checkpoint.py")
