@@ -64,6 +64,28 @@ def store_format(path: Path) -> str:
     return detect_format(path)
 
 
+def _fill_value(value: Any) -> float | None:
+    """A CF fill value attribute as a number, or None when absent or NaN (NaN reads as
+    missing anyway). Zarr v3 attributes written by xarray hold it base64-encoded."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        import base64
+
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except ValueError:
+            return None
+        if len(raw) != 8:                   # xarray's encoding of a float fill value
+            return None
+        value = np.frombuffer(raw, np.float64)[0]
+    try:
+        number = float(np.ravel(value)[0])
+    except (TypeError, ValueError, IndexError):
+        return None
+    return None if np.isnan(number) else number
+
+
 class ArraySource(RecordReads, MemberLeases):
     """The DataSource of named on-disk array fields; rows [start, stop) of the global batch.
 
@@ -282,6 +304,14 @@ class ArraySource(RecordReads, MemberLeases):
                         f"is CF-packed ({', '.join(packed)}): stored arrays are read raw, "
                         f"as counts; rewrite it unpacked (xarray: encoding dtype float32) "
                         f"or, for gridded weather files, list it in data.variables")
+                fills = {k: v for k in ("_FillValue", "missing_value")
+                         if (v := _fill_value(attrs.get(k))) is not None}
+                if fills:
+                    raise ArrayDataError(
+                        f"{self._where(0)}: variable '{dataset}' ({self.field_key(name)}) "
+                        f"marks missing values with {fills}: stored arrays are read raw, so "
+                        f"they would be taken as data; rewrite it with NaN for missing "
+                        f"values or, for gridded weather files, list it in data.variables")
         finally:
             store.close()
 
