@@ -30,6 +30,18 @@
         [--profile]
     python benchmarks/data_throughput.py --quick     # CI: 16 MiB, 1 rep, never fails
 
+3. Gridded weather files (issue 35; `--gridded`, default every layout): ERA5-like data
+   written by xarray, 4 float32 variables (t2m, u10, v10, msl) on `--nlat` x `--nlon`,
+   `--gridded-files` NetCDF4 files of `--gridded-steps` 6-hourly steps (one Zarr v3 store
+   of every step for zarr_t4), in four layouts: nc_plain (contiguous), nc_zlib_default
+   (zlib, netCDF's default chunks), nc_zlib_1xy (zlib, chunks 1 x lat x lon), zarr_t4
+   (chunks of 4 steps). Per layout, paired and interleaved, cold then warm: spmd's feed
+   (GriddedWindowSource of (t, t+1) windows, the variables as channels, seeded shuffle,
+   through BatchFeed.global_batch, batch `--batch`) against a plain read of the same bytes
+   (h5py / zarr, every variable in blocks of 256 time steps); samples are windows.
+   Reported: samples/s, the ratio feed / plain (median [min, max]) and whether
+   `spmd data info` warns about the layout (a layout it warns about may stay below 0.8).
+
 `--profile` adds, per format, where a warm feed's time goes over its first 64 steps, in
 microseconds per sample: the record index lookups, the single-record reads straight from
 the store, `ArraySource.rows`, `global_batch` synchronous and with 1 and `--read-threads`
@@ -656,8 +668,18 @@ def versions() -> dict[str, str]:
     import numpy
     import zarr
 
-    return {"python": sys.version.split()[0], "jax": jax.__version__, "zarr": zarr.__version__,
-            "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "numpy": numpy.__version__}
+    out = {"python": sys.version.split()[0], "jax": jax.__version__, "zarr": zarr.__version__,
+           "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
+           "numpy": numpy.__version__}
+    try:                                  # the writers of the gridded cases
+        import netCDF4
+        import xarray
+
+        out.update(xarray=xarray.__version__, netCDF4=netCDF4.__version__,
+                   netcdf_c=netCDF4.__netcdf4libversion__)
+    except ImportError:
+        pass
+    return out
 
 
 def shuffle_block(text: str) -> int | str:
