@@ -300,20 +300,31 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
                 "lead_error": lead_error}
 
 
-def train_climatology(source: GriddedWindowSource) -> np.ndarray:
+CLIMATOLOGY_READ_BYTES = 4 << 30     # above this, a part of each block of the train times
+
+
+def train_climatology(source: GriddedWindowSource,
+                      max_bytes: int = CLIMATOLOGY_READ_BYTES) -> np.ndarray:
     """Per grid point and channel, the mean of the finite values over every time the
     split's windows use (as `GriddedWindowSource.channel_statistics` walks them, a block at
-    a time), float32 (lat, lon, C); NaN where no value is finite."""
+    a time), float32 (lat, lon, C); NaN where no value is finite. When those frames exceed
+    `max_bytes`, the first 1/k of each block only (evenly over the split, logged)."""
     windows = source.count                          # checks the files, finds the windows
     used = np.zeros(len(source.timeline.times), bool)
     for t0 in source._starts[:windows]:
         used[t0:t0 + source.span] = True
+    frame_bytes = 4 * int(np.prod(source.frame))
+    every = max(1, -(-int(used.sum()) * frame_bytes // max_bytes))
+    if every > 1:
+        log.info("climatology: %d train times of %d bytes each; reading 1/%d of each block "
+                 "of %d times", int(used.sum()), frame_bytes, every, source._block_rows)
     total: np.ndarray | None = None
     count: np.ndarray | None = None
     edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8), [0]])))
     for run_lo, run_hi in zip(edges[::2], edges[1::2]):
-        for a in range(int(run_lo), int(run_hi), source._block_rows):
-            v = source._frames(a, min(a + source._block_rows, int(run_hi))).astype(np.float64)
+        rows = min(source._block_rows, int(run_hi - run_lo))
+        for a in range(int(run_lo), int(run_hi), rows):        # the first 1/every of a block
+            v = source._frames(a, min(a + -(-rows // every), int(run_hi))).astype(np.float64)
             ok = np.isfinite(v)
             part, n = np.where(ok, v, 0.0).sum(0), ok.sum(0)
             total = part if total is None else total + part

@@ -38,6 +38,21 @@ def test_climatology_is_the_train_years_mean_and_perfect_acc_is_one(tmp_path):
         np.testing.assert_allclose(clim[..., i], want, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert np.isnan(clim[..., 3]).sum() == 8 and np.isfinite(clim[..., :3]).all()
 
+    # over a read limit: the first 1/k of each block of the train times, a per-point mean
+    from spmd.tasks.gridded_task import train_climatology
+
+    source = task._statistics_source()
+    assert source.count == 365                         # windows of 2 steps: 366 train times
+    rows, frame_bytes = min(source._block_rows, 366), 4 * 6 * 12 * 6
+    limit = 366 * frame_bytes // 3
+    every = -(-366 * frame_bytes // limit)                      # 3 or 4
+    part = train_climatology(source, max_bytes=limit)
+    times = np.concatenate([np.arange(a, min(a + -(-rows // every), 366))
+                            for a in range(0, 366, rows)])
+    assert 366 // every <= len(times) < 366
+    want = ds["t2m"].astype(np.float64).isel(time=times).mean("time").values
+    np.testing.assert_allclose(part[..., 0], want, rtol=1e-6)
+
     frames = jnp.asarray(np.stack([ds[n].values[:4] for n in ("t2m", "u10", "v10")], -1))
     perfect = acc(frames, frames, jnp.asarray(clim[..., :3]), task.latitudes())
     np.testing.assert_allclose(np.asarray(perfect), 1.0, rtol=1e-5)
