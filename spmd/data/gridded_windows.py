@@ -21,9 +21,12 @@ Invariants:
   constant is (c - its grid mean) / its grid std, so that degrees of latitude do not
   dwarf normalized frames.
 - Reads go by time blocks that follow the files' time chunks (a multiple of the chunk of
-  about 4 MiB of frames, or 4 MiB of rows of an unchunked file), decoded once and kept in
+  about 8 MiB of frames, or 8 MiB of rows of an unchunked file), decoded once and kept in
   a small cache (`cache_bytes`): windows of neighbouring times (data.shuffle_block's
-  blocks) are cut from blocks in memory.
+  blocks) are cut from blocks in memory. NetCDF4 blocks are read with h5py (the same raw
+  values as h5netcdf, without its per-access cost); a block is checked for NaN once, and
+  a window of NaN-free blocks is copied frame by frame straight into the batch's pooled
+  buffers (docs/performance.md, section 7, weather files).
 - data.nan: error (default) raises on the first NaN of a window, one line naming the file,
   the variable (and level), the time index in the file and its time; fill replaces NaN by
   data.nan_fill; mask does too and hands the mask field.
@@ -53,7 +56,9 @@ from spmd.data.time_splits import split_range
 __all__ = ["GriddedWindowSource", "NAN_POLICIES"]
 
 NAN_POLICIES = ("error", "mask", "fill")
-BLOCK_BYTES = 4 << 20                    # a read block: about this many bytes of frames
+BLOCK_BYTES = 8 << 20                    # a read block: about this many bytes of frames
+#                                          (8 MiB: 256 steps of 4 x 32 x 64; 4 MiB read
+#                                          chunked files measurably slower, issue 35)
 MAX_BLOCK_BYTES = 64 << 20               # ... and never more (part of a longer chunk)
 
 
