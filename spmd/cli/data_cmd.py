@@ -1,6 +1,6 @@
 """`spmd data make|info|stats CONFIG [key=value ...]`: make data.path (solve the config's PDE
 dataset), describe it, or compute the per-channel statistics that data.normalize uses.
-`spmd data rechunk IN OUT` rewrites gridded files with chunks of one time step (what the
+`spmd data rechunk IN OUT` (no config) rewrites gridded files with chunks of one time step (what the
 layout warning of `info` asks for).
 
 With data.variables (gridded weather / climate files) `info` prints the timeline, the
