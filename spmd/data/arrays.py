@@ -289,8 +289,8 @@ class ArraySource(RecordReads, MemberLeases):
         member = self.files.members[0]
         if member.format not in ("netcdf", "zarr"):
             return
-        store = Store(member.path, self._where(0), member.format)   # not a lease: the
-        try:                                                       # read counters stay
+        store = Store(member.path, self._where(0), member.format, for_records=False)
+        try:                                # metadata only: not a lease, no read counted
             for name, dataset in self.datasets.items():
                 try:
                     attrs = dict(getattr(store.get(dataset, self.field_key(name)), "attrs",

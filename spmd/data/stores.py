@@ -12,7 +12,8 @@ Formats (what `detect_format` sees on disk):
 HDF5, NetCDF4 and Zarr arrays are chunked: slicing one example's slab reads only the chunks
 it touches. Every error names the file, the dataset path and the config key.
 
-`OPENED` counts the stores opened by this process (path -> opens): a test-visible hook.
+`OPENED` counts the stores opened by this process to read records (path -> opens): a
+test-visible hook. A look at metadata only (`Store(..., for_records=False)`) is not counted.
 """
 
 from __future__ import annotations
@@ -81,10 +82,12 @@ class Store:
     """An open store: `get(dataset, key)` returns an array-like (shape, dtype, slicing).
 
     `where` prefixes every error (e.g. "data.path=/d/*.h5: file /d/part1.h5"); `format`
-    forces a format (None: detected).
+    forces a format (None: detected); `for_records=False` opens it for its metadata only
+    (not counted in OPENED).
     """
 
-    def __init__(self, path: Path, where: str, format: str | None = None):
+    def __init__(self, path: Path, where: str, format: str | None = None,
+                 for_records: bool = True):
         self.path, self.where = Path(path), where
         if not self.path.exists():
             raise ArrayDataError(
@@ -98,7 +101,8 @@ class Store:
         self._layouts: dict[str, Any] = {}
         self._dtypes: dict[str, np.dtype] = {}
         self._direct_lock = threading.Lock()
-        OPENED[str(self.path)] += 1
+        if for_records:
+            OPENED[str(self.path)] += 1
         if self.format in ("hdf5", "netcdf"):
             if self.path.is_dir() or not h5py.is_hdf5(self.path):
                 kind = "NetCDF4" if self.format == "netcdf" else "HDF5"
