@@ -118,15 +118,16 @@ def _short(text: str, width: int = REASON_WIDTH) -> str:
 def recoveries(decisions: list[dict], ledger, metrics: list[dict]) -> list[dict]:
     """One row per recovery decision of the supervisor, timed against the ledger's jobs: the
     try that failed is the last job started before the try ended, the relaunched try the
-    first job started after the decision."""
+    first job started after that (the decision's own record may be written a moment after
+    the relaunched ranks started)."""
     out = []
     for d in (r for r in decisions if r.get("event") == "recovery"):
-        ended, decided = float(d.get("ended_at", d["time"])), float(d["time"])
+        ended = float(d.get("ended_at", d["time"]))
         failed_at = d.get("failed_at")
         began = float(failed_at) if failed_at is not None else ended
         before = [j for j in ledger.jobs if j.start <= ended]
         failed = before[-1] if before else None
-        after = next((j for j in ledger.jobs if j.start >= decided), None)
+        after = next((j for j in ledger.jobs if j.start > ended), None)
         if d.get("action") not in ("relaunch", "shrink"):
             after = None
         row = {"attempt": d.get("attempt"), "kind": d.get("kind"), "action": d.get("action"),
