@@ -117,17 +117,20 @@ def _short(text: str, width: int = REASON_WIDTH) -> str:
 
 def recoveries(decisions: list[dict], ledger, metrics: list[dict]) -> list[dict]:
     """One row per recovery decision of the supervisor, timed against the ledger's jobs: the
-    try that failed is the last job started before the try ended, the relaunched try the
-    first job started after that (the decision's own record may be written a moment after
-    the relaunched ranks started)."""
+    try that failed is the last job started before the failure was seen (before the try
+    ended, when no failure time is known), the relaunched try the job after it in the
+    ledger. Not by comparing start times with the try's end: a job's start is its process'
+    creation time, which the kernel gives to about a second (boot time in whole seconds),
+    so a relaunched try can seem to start a moment before the old one ended."""
     out = []
     for d in (r for r in decisions if r.get("event") == "recovery"):
         ended = float(d.get("ended_at", d["time"]))
         failed_at = d.get("failed_at")
         began = float(failed_at) if failed_at is not None else ended
-        before = [j for j in ledger.jobs if j.start <= ended]
+        before = [j for j in ledger.jobs if j.start <= began]
         failed = before[-1] if before else None
-        after = next((j for j in ledger.jobs if j.start > ended), None)
+        following = ledger.jobs[failed.index + 1:] if failed is not None else ledger.jobs
+        after = following[0] if following else None
         if d.get("action") not in ("relaunch", "shrink"):
             after = None
         row = {"attempt": d.get("attempt"), "kind": d.get("kind"), "action": d.get("action"),
@@ -141,7 +144,8 @@ def recoveries(decisions: list[dict], ledger, metrics: list[dict]) -> list[dict]
         if after is not None:
             first = next((float(r["time"]) for r in metrics if "loss" in r
                           and float(r.get("time", 0)) >= after.start), None)
-            row.update(relaunch_s=after.start - ended, bootstrap_s=after.parts.get("bootstrap"),
+            row.update(relaunch_s=max(after.start - ended, 0.0),   # creation time: ~1 s
+                       bootstrap_s=after.parts.get("bootstrap"),
                        restore_s=after.parts.get("restore"), compile_s=after.parts.get("compile"),
                        restored_step=after.restored_step,
                        to_first_step_s=None if first is None else first - began)
