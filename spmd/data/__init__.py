@@ -4,8 +4,9 @@ The public names for a user's task load lazily (no h5py/grain import until used)
 `BatchField`, `DataSource`, and the on-disk array source `ArraySource` with its writer
 `write_arrays` and its error `ArrayDataError` (spmd.data.arrays), and `WindowSource`,
 time windows of stored trajectories (spmd.data.windows), and `GriddedWindowSource`,
-windows of weather / climate files read by variable name (spmd.data.gridded_windows). Stores and formats
-(HDF5, NetCDF4, Zarr, .npy) live in spmd.data.stores, many files as one dataset in
+windows of weather / climate files read by variable name (spmd.data.gridded_windows).
+Stores and formats (HDF5, NetCDF4, Zarr, .npy) live in spmd.data.stores, many files as one
+dataset in
 spmd.data.file_index, background reads in spmd.data.prefetch (docs/data.md).
 
 Owns the batch layout types (`batch`: `BatchField`, `DataSource`), sources, the feed and
