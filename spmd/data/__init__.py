@@ -6,8 +6,7 @@ The public names for a user's task load lazily (no h5py/grain import until used)
 time windows of stored trajectories (spmd.data.windows), and `GriddedWindowSource`,
 windows of weather / climate files read by variable name (spmd.data.gridded_windows).
 Stores and formats (HDF5, NetCDF4, Zarr, .npy) live in spmd.data.stores, many files as one
-dataset in
-spmd.data.file_index, background reads in spmd.data.prefetch (docs/data.md).
+dataset in spmd.data.file_index, background reads in spmd.data.prefetch (docs/data.md).
 
 Owns the batch layout types (`batch`: `BatchField`, `DataSource`), sources, the feed and
 the `data:` section (`data_config`: `DataConfig`, `WindowConfig`).
