@@ -64,6 +64,7 @@ from pathlib import Path
 
 import pytest
 
+from spmd.launch.watchdog import process_alive
 from tests.helpers.slurm_cluster import (
     SlurmCluster,
     SlurmUnavailable,
@@ -154,16 +155,6 @@ def delete_netns(name: str) -> None:
     _run(["ip", "netns", "delete", name], timeout=30)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_orphans() -> list[str]:
     """Delete the namespaces of clusters whose creating process is gone (a killed pytest)."""
     r = _run(["ip", "netns", "list"], timeout=30)
@@ -171,7 +162,7 @@ def remove_orphans() -> list[str]:
     for line in r.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = re.match(rf"^{PREFIX}(\d+)x\d+-", name)
-        if m and not _alive(int(m.group(1))):
+        if m and not process_alive(int(m.group(1))):
             delete_netns(name)
             removed.append(name)
     return removed
