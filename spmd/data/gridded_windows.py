@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import collections
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from spmd.data.batch import BatchField
 from spmd.data.cf_decode import decode
 from spmd.data.channels import COORDINATE_CONSTANTS, Channel, channel_table, parse_channels
 from spmd.data.gridded_timeline import FileAxes, Timeline, build_timeline, level_index
+from spmd.data.normalization import Moments
 from spmd.data.stores import ArrayDataError
 from spmd.data.time_splits import split_range
 
@@ -304,31 +305,47 @@ class GriddedWindowSource(ArraySource):
             f"GriddedWindowSource.statistics_part() (`spmd data stats CONFIG`), not the raw "
             f"arrays' (packed counts)")
 
-    def channel_statistics(self) -> dict[str, np.ndarray]:
-        """Per channel over every time of the split's windows, NaN ignored (float64): count
-        (valid values), mean, std (population), min, max."""
+    @property
+    def block_rows(self) -> int:
+        """Time steps per read block (a multiple of the files' time chunk)."""
+        self.check()
+        return self._block_rows
+
+    def used_times(self) -> np.ndarray:
+        """A bool per time of the timeline: True where one of the split's windows uses it."""
         used = np.zeros(len(self.timeline.times), bool)
         for t0 in self._starts[:self.count]:
             used[t0:t0 + self.span] = True
-        c = len(self.channels)
-        n, s1, s2 = np.zeros(c), np.zeros(c), np.zeros(c)
-        lo, hi = np.full(c, np.inf), np.full(c, -np.inf)
+        return used
+
+    def split_frames(self, every: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+        """The frames of every time the split's windows use, a read block at a time in time
+        order: (first timeline position, float32 (steps, lat, lon, C), decoded, NaN kept).
+        With `every` > 1, only the first 1/every of each block (a sample spread evenly over
+        the split, for a large one)."""
+        used, rows = self.used_times(), self.block_rows
         edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8), [0]])))
         for run_lo, run_hi in zip(edges[::2], edges[1::2]):
-            for a in range(int(run_lo), int(run_hi), self._block_rows):
-                b = min(a + self._block_rows, int(run_hi))
-                v = self._frames(a, b).astype(np.float64).reshape(-1, c)
-                ok = ~np.isnan(v)
-                n += ok.sum(0)
-                s1 += np.where(ok, v, 0).sum(0)
-                s2 += np.where(ok, v * v, 0).sum(0)
-                lo = np.minimum(lo, np.nanmin(np.where(ok, v, np.inf), 0))
-                hi = np.maximum(hi, np.nanmax(np.where(ok, v, -np.inf), 0))
-        mean = s1 / np.maximum(n, 1)
-        std = np.sqrt(np.maximum(s2 / np.maximum(n, 1) - mean * mean, 0.0))
-        points = int(used.sum()) * len(self.timeline.lat) * len(self.timeline.lon)
-        return {"count": n, "mean": mean, "std": std, "min": lo, "max": hi,
-                "missing": points - n, "times": np.full(c, float(used.sum()))}
+            step = min(rows, int(run_hi - run_lo))
+            for a in range(int(run_lo), int(run_hi), step):
+                b = min(a + -(-step // max(1, int(every))), a + step, int(run_hi))
+                yield a, self._frames(a, b)
+
+    def channel_statistics(self) -> dict[str, np.ndarray]:
+        """Per channel over every time of the split's windows, NaN ignored (float64): count
+        (valid values), mean, std (population), min, max. Blocks are merged with
+        spmd.data.normalization's pairwise update (Chan et al.), so a field of large mean
+        (geopotential, ~5e4) keeps its std to float64 rounding."""
+        c = len(self.channels)
+        total = Moments.empty(c)
+        for _, frames in self.split_frames():
+            total = total.combine(Moments.of(frames.astype(np.float64).reshape(-1, c)))
+        n = total.n.astype(np.float64)
+        std = np.sqrt(np.maximum(total.m2 / np.maximum(n, 1), 0.0))
+        used = int(self.used_times().sum())
+        points = used * len(self.timeline.lat) * len(self.timeline.lon)
+        return {"count": n, "mean": total.mean, "std": std, "m2": total.m2, "min": total.lo,
+                "max": total.hi, "missing": points - n, "times": np.full(c, float(used))}
 
     def statistics_key(self) -> str:
         """The name of this split's channel statistics in the statistics file beside the
@@ -349,7 +366,7 @@ class GriddedWindowSource(ArraySource):
             "per_channel": True, "channels": len(self.channels), "rows": rows,
             "range": [0, rows], "count": n.astype(np.int64).tolist(),
             "missing": np.asarray(st["missing"], np.int64).tolist(),
-            "mean": st["mean"].tolist(), "m2": (st["std"] ** 2 * n).tolist(),
+            "mean": st["mean"].tolist(), "m2": st["m2"].tolist(),
             "min": bound(st["min"]), "max": bound(st["max"])}}}
 
     # --------------------------------------------------------- reading

@@ -47,9 +47,9 @@ import numpy as np
 from spmd.data.file_index import check_unchanged, has_magic, load_index, resolve
 from spmd.data.stores import ArrayDataError, Store, fingerprint
 
-__all__ = ["BLOCK_BYTES", "FieldStatistics", "compute_statistics", "data_fingerprint",
-           "load_statistics", "merge_statistics", "partial_statistics", "rank_rows",
-           "statistics_file", "write_statistics"]
+__all__ = ["BLOCK_BYTES", "FieldStatistics", "Moments", "compute_statistics",
+           "data_fingerprint", "load_statistics", "merge_statistics", "partial_statistics",
+           "rank_rows", "statistics_file", "write_statistics"]
 
 STATS_VERSION = 1
 BLOCK_BYTES = 64 * 2**20            # float64 bytes of one block of rows
@@ -90,10 +90,11 @@ def rank_rows(rows: int, rank: int, size: int) -> tuple[int, int]:
 
 
 @dataclass
-class _Moments:
+class Moments:
     """Per channel: the count of valid (finite) values, their mean, M2 (sum of squared
     deviations), min and max. A channel without values has count 0, mean 0, M2 0 and min
-    +inf, max -inf (None in JSON)."""
+    +inf, max -inf (None in JSON). `Moments.of` a block, then `combine` the blocks: the
+    std of a field of large mean keeps float64 precision (no sum of squares)."""
 
     n: np.ndarray                 # int64 (channels,)
     mean: np.ndarray
@@ -103,14 +104,14 @@ class _Moments:
     missing: np.ndarray           # int64 (channels,): NaN / inf values left out
 
     @classmethod
-    def empty(cls, channels: int) -> _Moments:
+    def empty(cls, channels: int) -> Moments:
         zeros = np.zeros(channels, np.float64)
         counts = np.zeros(channels, np.int64)
         return cls(counts, zeros, zeros.copy(), np.full(channels, np.inf),
                    np.full(channels, -np.inf), counts.copy())
 
     @classmethod
-    def of(cls, values: np.ndarray) -> _Moments:
+    def of(cls, values: np.ndarray) -> Moments:
         """The moments of the finite values of `values` (rows, channels), float64."""
         valid = np.isfinite(values)
         n = valid.sum(axis=0).astype(np.int64)
@@ -125,7 +126,7 @@ class _Moments:
         hi = np.where(valid, values, -np.inf).max(axis=0)
         return cls(n, mean, m2, lo, hi, values.shape[0] - n)
 
-    def combine(self, other: _Moments) -> _Moments:
+    def combine(self, other: Moments) -> Moments:
         """Chan, Golub & LeVeque's pairwise update, per channel."""
         n = self.n + other.n
         safe = np.maximum(n, 1)
@@ -133,7 +134,7 @@ class _Moments:
         mean = np.where(other.n == 0, self.mean,
                         np.where(self.n == 0, other.mean, self.mean + delta * (other.n / safe)))
         m2 = self.m2 + other.m2 + delta**2 * (self.n * other.n / safe)
-        return _Moments(n, mean, m2, np.minimum(self.lo, other.lo),
+        return Moments(n, mean, m2, np.minimum(self.lo, other.lo),
                         np.maximum(self.hi, other.hi), self.missing + other.missing)
 
     def to_json(self) -> dict[str, Any]:
@@ -145,7 +146,7 @@ class _Moments:
                 "min": bound(self.lo), "max": bound(self.hi)}
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any], channels: int) -> _Moments:
+    def from_json(cls, doc: Mapping[str, Any], channels: int) -> Moments:
         """A partial result: per-channel counts, or (older) one count for every channel."""
         count = np.broadcast_to(np.asarray(doc["count"], np.int64), (channels,)).copy()
         if not count.any():
@@ -194,7 +195,7 @@ def partial_statistics(path: str | Path, plan: Mapping[str, tuple[bool, int]], *
     # which member rows each dataset needs: member -> [(dataset, lo, hi)]
     work: dict[int, list[tuple[str, int, int]]] = {}
     out: dict[str, Any] = {}
-    moments: dict[str, _Moments] = {}
+    moments: dict[str, Moments] = {}
     for dataset, (per_channel, rows) in plan.items():
         dims = shapes[dataset]
         example = dims[0][1:]
@@ -208,7 +209,7 @@ def partial_statistics(path: str | Path, plan: Mapping[str, tuple[bool, int]], *
         lo, hi = rank_rows(int(rows), rank, size)
         out[dataset] = {"per_channel": channel, "channels": channels, "rows": int(rows),
                         "range": [lo, hi]}
-        moments[dataset] = _Moments.empty(channels)
+        moments[dataset] = Moments.empty(channels)
         offset = 0
         for i, d in enumerate(dims):
             a, b = max(lo, offset), min(hi, offset + d[0])
@@ -232,7 +233,7 @@ def partial_statistics(path: str | Path, plan: Mapping[str, tuple[bool, int]], *
                 for start in range(a, b, step):
                     block = _read(array, start, min(b, start + step), label, dataset)
                     moments[dataset] = moments[dataset].combine(
-                        _Moments.of(block.reshape(-1, channels)))
+                        Moments.of(block.reshape(-1, channels)))
         finally:
             store.close()
         check_unchanged(member.path, before, label, "while its statistics were computed "
@@ -271,9 +272,9 @@ def merge_statistics(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             if hi != lo:
                 raise ValueError(f"merge_statistics: partial statistics of '{dataset}' cover "
                                  f"records {ranges}, which are not one contiguous range")
-        total = _Moments.empty(first["channels"])
+        total = Moments.empty(first["channels"])
         for e in sorted(entries, key=lambda e: e["range"][0]):
-            total = total.combine(_Moments.from_json(e, first["channels"]))
+            total = total.combine(Moments.from_json(e, first["channels"]))
         out[dataset] = {"per_channel": first["per_channel"], "channels": first["channels"],
                         "rows": first["rows"], "range": [ranges[0][0], ranges[-1][1]],
                         **total.to_json()}
@@ -342,7 +343,7 @@ def write_statistics(path: str | Path, stats: Mapping[str, Any], *, split: str,
         if list(e["range"]) != [0, e["rows"]]:
             raise ValueError(f"write_statistics: statistics of '{dataset}' cover records "
                              f"{e['range']}, not all {e['rows']} (a rank's part missing?)")
-        m = _Moments.from_json(e, int(e["channels"]))
+        m = Moments.from_json(e, int(e["channels"]))
         empty = [c for c in range(int(e["channels"])) if m.n[c] == 0]
         if empty:
             names = (channel_names or {}).get(dataset)

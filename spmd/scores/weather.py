@@ -16,8 +16,8 @@ per channel and per lead time:
 - `persistence` and `climatology`: the two baselines a model must beat; `persistence_rmse`
   and `climatology_rmse` score them.
 - `weather_scores` / `finish_scores`: the per-batch form a task's `eval_metrics` returns
-  (mean squared errors, averaged over equal batches by the evaluation) and the square roots
-  `spmd eval` reports.
+  (mean squared errors of the model, persistence and the climatology, and ACCs, averaged
+  over equal batches by the evaluation) and the square roots `spmd eval` reports.
 
 Layout: fields are `(sample, [lead, ...], lat, lon, channel)` by default: axis 0 is the
 sample (time) axis the scores average over, `lat_axis` (-3) and `lon_axis` (-2) the grid,
@@ -48,7 +48,10 @@ ArrayLike = Any
 
 MSE_PREFIX = "lat_mse"                  # weather_scores' keys, per channel and lead
 PERSISTENCE_MSE_PREFIX = "persistence_lat_mse"
+CLIMATOLOGY_MSE_PREFIX = "climatology_lat_mse"
 ACC_PREFIX = "acc"
+PERSISTENCE_ACC_PREFIX = "persistence_acc"
+MSE_PREFIXES = (PERSISTENCE_MSE_PREFIX, CLIMATOLOGY_MSE_PREFIX, MSE_PREFIX)   # finish_scores
 
 
 def _xp(*arrays: Any) -> Any:
@@ -252,9 +255,12 @@ def weather_scores(forecasts: Sequence[ArrayLike], truths: Sequence[ArrayLike],
     physical units; `initial`: the last input frame (batch, lat, lon, channel), the
     persistence forecast. Returns, per channel name `c` (`channels`, default c0, c1, ...)
     and lead k (1-based): `lat_mse_<c>_<k>` and `persistence_lat_mse_<c>_<k>` (the batch
-    mean of the per-sample weighted MSE) and, with `climate`, `acc_<c>_<k>` (the batch mean
-    of the per-sample ACC). The evaluation averages them over its equal batches, so the mean
-    is over every eval sample; `finish_scores` then takes the square roots."""
+    mean of the per-sample weighted MSE) and, with `climate` (the climatology, e.g. (lat,
+    lon, channel); NaN points left out), `climatology_lat_mse_<c>_<k>` (the climatology as
+    the forecast), `acc_<c>_<k>` and `persistence_acc_<c>_<k>` (the batch mean of the
+    per-sample ACC of the model and of persistence). The evaluation averages them over its
+    equal batches, so the mean is over every eval sample; `finish_scores` then takes the
+    square roots of the MSEs."""
     leads = len(forecasts)
     if leads != len(truths) or leads == 0:
         raise ValueError(f"weather_scores: {leads} forecasts for {len(truths)} truths")
@@ -265,11 +271,15 @@ def weather_scores(forecasts: Sequence[ArrayLike], truths: Sequence[ArrayLike],
     if len(names) != c:
         raise ValueError(f"weather_scores: {len(names)} channel names {names} for {c} "
                          f"channels")
+    held = persistence(initial, leads)
     scores = {MSE_PREFIX: mse(f, t, lat, mask=mask, kind=kind),
-              PERSISTENCE_MSE_PREFIX: mse(persistence(initial, leads), t, lat, mask=mask,
-                                          kind=kind)}
+              PERSISTENCE_MSE_PREFIX: mse(held, t, lat, mask=mask, kind=kind)}
     if climate is not None:
+        climate = _float(xp, climate)
+        scores[CLIMATOLOGY_MSE_PREFIX] = mse(xp.broadcast_to(climate, t.shape), t, lat,
+                                             mask=mask, kind=kind)
         scores[ACC_PREFIX] = acc(f, t, climate, lat, mask=mask, kind=kind)
+        scores[PERSISTENCE_ACC_PREFIX] = acc(held, t, climate, lat, mask=mask, kind=kind)
     out = {}
     for prefix, table in scores.items():           # table: (lead, channel)
         for k in range(leads):
@@ -279,12 +289,12 @@ def weather_scores(forecasts: Sequence[ArrayLike], truths: Sequence[ArrayLike],
 
 
 def finish_scores(metrics: Mapping[str, float]) -> dict[str, float]:
-    """`metrics` with every `lat_mse_*` / `persistence_lat_mse_*` mean (over all eval
-    batches) replaced by its square root, `lat_rmse_*` / `persistence_lat_rmse_*`; other
-    keys unchanged, in order."""
+    """`metrics` with every `lat_mse_*` / `persistence_lat_mse_*` / `climatology_lat_mse_*`
+    mean (over all eval batches) replaced by its square root, `lat_rmse_*` /
+    `persistence_lat_rmse_*` / `climatology_lat_rmse_*`; other keys unchanged, in order."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        for prefix in (PERSISTENCE_MSE_PREFIX, MSE_PREFIX):
+        for prefix in MSE_PREFIXES:
             if key.startswith(prefix + "_"):
                 key = prefix.replace("_mse", "_rmse") + key[len(prefix):]
                 value = float(np.sqrt(value)) if value >= 0 else float("nan")

@@ -64,10 +64,9 @@ def plot_fields(fields: dict[str, np.ndarray], path: Path,
     return path
 
 
-def last_rollout_errors(metrics: Path, keys: list[str]) -> tuple[int, np.ndarray] | None:
-    """(step, the values of `keys`: the mean relative L2 error per lead) of the last
-    evaluation in a run's metrics.jsonl that has them all (over every eval batch), or None
-    when it holds none."""
+def _last_record(metrics: Path, wanted) -> dict | None:
+    """The last record of a run's metrics.jsonl for which `wanted(record)` is true, or None
+    (no such record, or no file). A line cut by a kill is skipped."""
     found = None
     try:
         with open(metrics) as f:
@@ -75,12 +74,22 @@ def last_rollout_errors(metrics: Path, keys: list[str]) -> tuple[int, np.ndarray
                 try:
                     record = json.loads(line)
                 except ValueError:
-                    continue                     # a line cut by a kill: skip it
-                if all(k in record for k in keys):
-                    found = (int(record["step"]), np.asarray([record[k] for k in keys]))
+                    continue
+                if wanted(record):
+                    found = record
     except OSError:
         return None
     return found
+
+
+def last_rollout_errors(metrics: Path, keys: list[str]) -> tuple[int, np.ndarray] | None:
+    """(step, the values of `keys`: the mean relative L2 error per lead) of the last
+    evaluation in a run's metrics.jsonl that has them all (over every eval batch), or None
+    when it holds none."""
+    found = _last_record(metrics, lambda r: all(k in r for k in keys))
+    if found is None:
+        return None
+    return int(found["step"]), np.asarray([found[k] for k in keys])
 
 
 def plot_rollout_error(lead_error: np.ndarray, path: Path, dt: float | None = None,
@@ -120,62 +129,77 @@ def plot_rollout_error(lead_error: np.ndarray, path: Path, dt: float | None = No
     return path
 
 
+# metrics.jsonl prefix -> (kind, is a mean squared error); longest prefixes first
+WEATHER_KEYS = (("persistence_lat_mse_", "persistence", True),
+                ("climatology_lat_mse_", "climatology", True),
+                ("lat_mse_", "model", True),
+                ("persistence_acc_", "persistence_acc", False),
+                ("acc_", "acc", False))
+RMSE_LINES = (("model", "o-"), ("persistence", "s--"), ("climatology", "^:"))
+ACC_LINES = (("acc", "model", "o-"), ("persistence_acc", "persistence", "s--"))
+
+
 def last_weather_scores(metrics: Path) -> tuple[int, dict[str, dict[str, np.ndarray]]] | None:
-    """(step, {channel: {"model": RMSE per lead, "persistence": RMSE per lead}}) of the last
-    evaluation in a run's metrics.jsonl that holds latitude-weighted scores
-    (`lat_mse_<channel>_<lead>`, `persistence_lat_mse_<channel>_<lead>`: the square roots
-    of their means, spmd.scores.weather), or None when none does."""
-    found = None
-    try:
-        with open(metrics) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue                     # a line cut by a kill: skip it
-                if any(k.startswith("lat_mse_") for k in record):
-                    found = record
-    except OSError:
-        return None
+    """(step, {channel: {kind: values per lead}}) of the last evaluation in a run's
+    metrics.jsonl that holds latitude-weighted scores (spmd.scores.weather), or None when
+    none does. Kinds: "model", "persistence", "climatology" (RMSE: the square roots of the
+    means of `lat_mse_*`, `persistence_lat_mse_*`, `climatology_lat_mse_*`) and "acc",
+    "persistence_acc" (ACC, `acc_*`, `persistence_acc_*`), those present."""
+    found = _last_record(metrics, lambda r: any(k.startswith("lat_mse_") for k in r))
     if found is None:
         return None
     table: dict[str, dict[str, dict[int, float]]] = {}
+    squared = {kind: sq for _, kind, sq in WEATHER_KEYS}
     for key, value in found.items():
-        for prefix, kind in (("persistence_lat_mse_", "persistence"), ("lat_mse_", "model")):
+        for prefix, kind, _ in WEATHER_KEYS:
             if key.startswith(prefix):
                 channel, _, lead = key[len(prefix):].rpartition("_")
-                table.setdefault(channel, {}).setdefault(kind, {})[int(lead)] = float(value)
+                if channel and lead.isdigit():
+                    table.setdefault(channel, {}).setdefault(kind, {})[int(lead)] = float(value)
                 break
-    out = {c: {kind: np.sqrt([v[k] for k in sorted(v)]) for kind, v in kinds.items()}
+    out = {c: {kind: (np.sqrt if squared[kind] else np.asarray)([v[k] for k in sorted(v)])
+               for kind, v in kinds.items()}
            for c, kinds in table.items()}
     return int(found.get("step", -1)), out
 
 
 def plot_weather_rmse(step: int, scores: dict[str, dict[str, np.ndarray]], path: Path,
                       dt: float | None = None) -> Path:
-    """Latitude-weighted RMSE against lead, one panel per channel: the model (solid) and
-    persistence (dashed), from `last_weather_scores`."""
+    """Latitude-weighted scores against lead, from `last_weather_scores`: per channel a
+    panel of RMSE (the model solid, persistence dashed, the climatology dotted) and, when
+    the evaluation has ACC, a panel of ACC below it (the model and persistence)."""
     import matplotlib.pyplot as plt
 
     names = list(scores)
+    with_acc = any("acc" in kinds for kinds in scores.values())
     cols = min(len(names), 3)
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.0 * rows), dpi=100,
-                             squeeze=False)
-    for ax, name in zip(axes.ravel(), names):
-        for kind, style in (("model", "o-"), ("persistence", "s--")):
-            values = scores[name].get(kind)
-            if values is not None:
-                leads = np.arange(1, len(values) + 1)
-                ax.plot(leads * dt if dt else leads, values, style, ms=3, label=kind)
-        ax.set_title(name)
-        ax.set_xlabel("lead time" if dt else "lead (model steps)")
-        ax.set_ylabel("lat-weighted RMSE")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    for ax in axes.ravel()[len(names):]:
+    grid_rows = -(-len(names) // cols)
+    per = 2 if with_acc else 1                  # panel rows per channel
+    fig, axes = plt.subplots(grid_rows * per, cols, figsize=(4.0 * cols, 3.0 * grid_rows * per),
+                             dpi=100, squeeze=False)
+    for ax in axes.ravel():
         ax.set_visible(False)
-    fig.suptitle(f"Latitude-weighted RMSE against persistence (evaluation at step {step})")
+    for i, name in enumerate(names):
+        r, col = divmod(i, cols)
+        panels = [(axes[r * per, col], [(kind, kind, style) for kind, style in RMSE_LINES],
+                   "lat-weighted RMSE")]
+        if with_acc:
+            panels.append((axes[r * per + 1, col], ACC_LINES, "lat-weighted ACC"))
+        for ax, lines, label in panels:
+            ax.set_visible(True)
+            for kind, legend, style in lines:
+                values = scores[name].get(kind)
+                if values is not None:
+                    leads = np.arange(1, len(values) + 1)
+                    ax.plot(leads * dt if dt else leads, values, style, ms=3, label=legend)
+            ax.set_title(f"{name}: {label.split()[-1]}")
+            ax.set_xlabel("lead time" if dt else "lead (model steps)")
+            ax.set_ylabel(label)
+            ax.grid(True, alpha=0.3)
+            if ax.has_data():
+                ax.legend(fontsize=8)
+    title = "Latitude-weighted RMSE" + (" and ACC" if with_acc else "")
+    fig.suptitle(f"{title} against the baselines (evaluation at step {step})")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -25,11 +25,12 @@ Invariants:
   train split's NaN-aware statistics, stored beside the data (`spmd data stats CONFIG`, or
   the coordinator's `prepare` when they are missing or stale) and kept in
   run.dir/normalization.json as TrajectoryTask keeps its own.
-- The evaluation adds, per channel and lead, latitude-weighted RMSE against persistence
-  (TrajectoryTask.weather_metrics) and, with `climatology_scores`, the anomaly correlation
-  `acc_<channel>_<lead>` against the train split's climatology (`climatology()`: each grid
-  point's mean over the train split's times, NaN ignored; read once per process when the
-  eval step is compiled).
+- The evaluation adds, per channel and lead, latitude-weighted RMSE of the model and of
+  persistence (TrajectoryTask.weather_metrics) and, with `climatology_scores`, the RMSE of
+  the train split's climatology as a forecast (`climatology_lat_rmse_*`) and the anomaly
+  correlations `acc_<channel>_<lead>` (model) and `persistence_acc_*` against it
+  (`climatology()`: each grid point's mean over the train split's times, NaN ignored; read
+  once per process when the eval step is compiled).
 - The loss and `eval_loss` are weighted by cos(latitude) (normalized to mean 1;
   `latitude_weighted_loss = False` turns it off). With data.nan: mask they are means over
   the valid target points only (the mask field, 1 where the target was not NaN). With
@@ -53,9 +54,7 @@ from spmd.data.gridded_windows import GriddedWindowSource
 from spmd.data.normalization import data_fingerprint, load_statistics, write_statistics
 from spmd.data.stores import ArrayDataError
 from spmd.errors import ConfigError
-from spmd.scores.weather import ACC_PREFIX, acc, lead_key
 from spmd.tasks.base import ModelCfg
-from spmd.tasks.field_task import run_normalization
 from spmd.tasks.trajectory_task import TrajectoryTask
 
 __all__ = ["GriddedTrajectoryTask"]
@@ -70,7 +69,7 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
     state_name = "channels"
     mask_name = "target_mask"
     latitude_weighted_loss: bool = True     # weight the loss by cos(latitude), mean 1
-    climatology_scores: bool = True         # acc_* against the train split's climatology
+    climatology_scores: bool = True         # climatology RMSE, ACC (train climatology)
 
     # ------------------------------------------------------------ layout
 
@@ -113,14 +112,9 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
     def constant_channels(self) -> int:
         return len(self.cfg.data.constants)
 
-    def input_channels(self) -> int:
-        return self.window().input_steps * self.frame_channels() + self.constant_channels()
-
     def _fields(self, target_steps: int) -> dict[str, BatchField]:
         fields = super()._fields(target_steps)
         nlat, nlon, c = self.frame_shape()
-        fields[self.input_name] = BatchField((nlat, nlon, self.input_channels()), np.float32,
-                                             self.frame_axes)
         if self.cfg.data.nan == "mask":
             fields[self.mask_name] = BatchField((nlat, nlon, target_steps * c), np.float32,
                                                 self.frame_axes)
@@ -194,16 +188,6 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
         return {self.state_name: (stats.mean.astype(np.float32),
                                   stats.scale().astype(np.float32))}
 
-    def normalization(self) -> tuple[np.ndarray, np.ndarray] | None:
-        if not self.cfg.data.normalize:
-            return None
-        cached = self.__dict__.get("_normalization")
-        if cached is None:
-            cached = run_normalization(self.cfg, (self.state_name,),
-                                       self._stored_normalization)[self.state_name]
-            self._normalization = cached
-        return cached
-
     def climatology(self) -> np.ndarray:
         """The train split's climatology, float32 (lat, lon, C) in physical units: each grid
         point's and channel's mean over every time of the train split's windows, NaN left
@@ -214,90 +198,24 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
             self._climatology = cached
         return cached
 
-    def weather_metrics(self, preds: list, truths: list, batch) -> dict:
-        """TrajectoryTask's lat-weighted scores, and with `climatology_scores` the
-        latitude-weighted ACC per channel and lead against `climatology()` (masked points
-        and points never valid in the train split left out)."""
-        metrics = super().weather_metrics(preds, truths, batch)
-        if not self.climatology_scores:
-            return metrics
-        c, steps = self.frame_channels(), len(preds)
-        mask = batch.get(self.mask_name)
-        if mask is not None:
-            mask = jnp.stack([mask[..., k * c:(k + 1) * c] for k in range(steps)], 1) > 0
-        table = acc(jnp.stack(preds, 1), jnp.stack(truths, 1), jnp.asarray(self.climatology()),
-                    self.latitudes(), mask=mask)               # (lead, channel)
-        for k in range(steps):
-            for i, name in enumerate(self.channel_names()):
-                metrics[lead_key(ACC_PREFIX, name, k + 1, steps)] = table[k, i]
-        return metrics
+    def score_climatology(self) -> np.ndarray | None:
+        """`climatology()` with `climatology_scores` (the evaluation then adds the
+        climatology's RMSE and the ACCs), else None."""
+        return self.climatology() if self.climatology_scores else None
 
     # ------------------------------------------------------------ objective
 
-    def rollout(self, model, inputs: jax.Array, steps: int) -> list[jax.Array]:
-        """`steps` predicted frames in model units; the constants (the input's last K
-        channels) go with every step unchanged."""
-        k = self.constant_channels()
-        c = self.frame_channels()
-        frames = inputs[..., :inputs.shape[-1] - k] if k else inputs
-        const = inputs[..., inputs.shape[-1] - k:] if k else None
-        x, out = self._scaled(frames, True), []
-        for _ in range(steps):
-            frame = model(x if const is None else jnp.concatenate(
-                [x, const.astype(x.dtype)], axis=-1))
-            out.append(frame)
-            x = jnp.concatenate([x[..., c:], frame.astype(x.dtype)], axis=-1)
-        return out
-
-    def _masked_mse(self, pred: jax.Array, target: jax.Array, mask: jax.Array | None
-                    ) -> jax.Array:
+    def frame_mse(self, pred: jax.Array, target: jax.Array, mask: jax.Array | None
+                  ) -> jax.Array:
         """Mean squared error over the valid points (mask), weighted by cos(latitude)
         normalized to mean 1 when `latitude_weighted_loss`."""
-        err = (pred - target) ** 2
-        weight = jnp.ones(err.shape[1:2], err.dtype)
-        if self.latitude_weighted_loss:
-            w = np.cos(np.deg2rad(self.latitudes()))
-            weight = jnp.asarray(w / w.mean(), err.dtype)
-        weight = jnp.broadcast_to(weight[:, None, None], err.shape[1:])
-        if mask is not None:
-            weight = weight * mask
-        else:
-            weight = jnp.broadcast_to(weight, err.shape)
-        return jnp.sum(err * weight) / jnp.maximum(jnp.sum(weight), 1e-12)
-
-    def loss(self, model, batch):
-        steps = self.window().target_steps
-        pred = jnp.concatenate(self.rollout(model, batch[self.input_name], steps), axis=-1)
-        return self._masked_mse(pred, self._scaled(batch[self.target_name], True),
-                                batch.get(self.mask_name)), {}
-
-    def eval_metrics(self, model, batch) -> dict:
-        metrics = super().eval_metrics(model, batch)
-        mask = batch.get(self.mask_name)
-        c = self.frame_channels()
-        pred = self.rollout(model, batch[self.input_name], 1)[0]
-        truth = self._scaled(batch[self.target_name][..., :c], True)
-        metrics["eval_loss"] = self._masked_mse(pred, truth,
-                                                None if mask is None else mask[..., :c])
-        return metrics
-
-    def sample_outputs(self, model, batch) -> dict:
-        if not self.constant_channels():
-            return super().sample_outputs(model, batch)
-        return self._samples(model, batch)
-
-    def _samples(self, model, batch) -> dict:
-        from spmd.tasks.field_task import relative_l2
-
-        steps, c, k = self.rollout_steps(), self.frame_channels(), self.constant_channels()
-        x = batch[self.input_name]
-        preds = [self._scaled(p, False) for p in self.rollout(model, x, steps)]
-        truths = self._truths(batch[self.target_name], steps)
-        lead_error = jnp.stack([relative_l2(p, t) for p, t in zip(preds, truths)], axis=1)
-        last = x.shape[-1] - k - c
-        return {"input": x[..., last], "truth": truths[-1][..., 0],
-                "prediction": preds[-1][..., 0], "error": (preds[-1] - truths[-1])[..., 0],
-                "lead_error": lead_error}
+        if not self.latitude_weighted_loss:
+            return super().frame_mse(pred, target, mask)
+        w = np.cos(np.deg2rad(self.latitudes()))
+        weight = jnp.broadcast_to(jnp.asarray(w / w.mean(), pred.dtype)[:, None, None],
+                                  pred.shape[1:])
+        weight = weight * mask if mask is not None else jnp.broadcast_to(weight, pred.shape)
+        return jnp.sum((pred - target) ** 2 * weight) / jnp.maximum(jnp.sum(weight), 1e-12)
 
 
 CLIMATOLOGY_READ_BYTES = 4 << 30     # above this, a part of each block of the train times
@@ -306,29 +224,23 @@ CLIMATOLOGY_READ_BYTES = 4 << 30     # above this, a part of each block of the t
 def train_climatology(source: GriddedWindowSource,
                       max_bytes: int = CLIMATOLOGY_READ_BYTES) -> np.ndarray:
     """Per grid point and channel, the mean of the finite values over every time the
-    split's windows use (as `GriddedWindowSource.channel_statistics` walks them, a block at
-    a time), float32 (lat, lon, C); NaN where no value is finite. When those frames exceed
-    `max_bytes`, the first 1/k of each block only (evenly over the split, logged)."""
-    windows = source.count                          # checks the files, finds the windows
-    used = np.zeros(len(source.timeline.times), bool)
-    for t0 in source._starts[:windows]:
-        used[t0:t0 + source.span] = True
+    split's windows use (`GriddedWindowSource.split_frames`, a block at a time), float32
+    (lat, lon, C); NaN where no value is finite. When those frames exceed `max_bytes`, the
+    first 1/k of each block only (evenly over the split, logged)."""
+    used = int(source.used_times().sum())
     frame_bytes = 4 * int(np.prod(source.frame))
-    every = max(1, -(-int(used.sum()) * frame_bytes // max_bytes))
+    every = max(1, -(-used * frame_bytes // max_bytes))
     if every > 1:
         log.info("climatology: %d train times of %d bytes each; reading 1/%d of each block "
-                 "of %d times", int(used.sum()), frame_bytes, every, source._block_rows)
+                 "of %d times", used, frame_bytes, every, source.block_rows)
     total: np.ndarray | None = None
     count: np.ndarray | None = None
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8), [0]])))
-    for run_lo, run_hi in zip(edges[::2], edges[1::2]):
-        rows = min(source._block_rows, int(run_hi - run_lo))
-        for a in range(int(run_lo), int(run_hi), rows):        # the first 1/every of a block
-            v = source._frames(a, min(a + -(-rows // every), int(run_hi))).astype(np.float64)
-            ok = np.isfinite(v)
-            part, n = np.where(ok, v, 0.0).sum(0), ok.sum(0)
-            total = part if total is None else total + part
-            count = n if count is None else count + n
+    for _, frames in source.split_frames(every):
+        v = frames.astype(np.float64)
+        ok = np.isfinite(v)
+        part, n = np.where(ok, v, 0.0).sum(0), ok.sum(0)
+        total = part if total is None else total + part
+        count = n if count is None else count + n
     if total is None:
         raise ArrayDataError(f"{source.where}: the train split has no time to compute a "
                              f"climatology from; widen data.splits.train")

@@ -88,6 +88,7 @@ class TrajectoryTask(Task[ModelCfg]):
     frame_axes: tuple[str | None, ...] = ("batch", "x", "y", "channels")
     input_name: str = "input"
     target_name: str = "target"
+    mask_name: str | None = None       # a batch field, 1 where the target is valid (None: none)
     sample_title: str = "Test samples at the last evaluation"
 
     @abc.abstractmethod
@@ -130,14 +131,19 @@ class TrajectoryTask(Task[ModelCfg]):
     def frame_channels(self) -> int:
         return int(self.frame_shape()[-1])
 
+    def constant_channels(self) -> int:
+        """Channels after the frames in the model's input that stay fixed through a rollout
+        (e.g. orography, a land-sea mask; default 0)."""
+        return 0
+
     def input_channels(self) -> int:
-        """Channels of the model's input: input_steps frames stacked along channels."""
-        return self.window().input_steps * self.frame_channels()
+        """Channels of the model's input: input_steps frames stacked along channels, then
+        the constant channels."""
+        return self.window().input_steps * self.frame_channels() + self.constant_channels()
 
     def _fields(self, target_steps: int) -> dict[str, BatchField]:
         *space, c = self.frame_shape()
-        w = self.window()
-        return {self.input_name: BatchField((*space, w.input_steps * c), np.float32,
+        return {self.input_name: BatchField((*space, self.input_channels()), np.float32,
                                             self.frame_axes),
                 self.target_name: BatchField((*space, target_steps * c), np.float32,
                                              self.frame_axes)}
@@ -357,11 +363,15 @@ class TrajectoryTask(Task[ModelCfg]):
 
     def rollout(self, model, inputs: jax.Array, steps: int) -> list[jax.Array]:
         """`steps` predicted frames in model units (normalized with data.normalize), each
-        from the last input_steps frames (fed back); `inputs` in physical units."""
-        c, frames = self.frame_channels(), []
-        x = self._scaled(inputs, True)
+        from the last input_steps frames (fed back); `inputs` in physical units. The
+        constants (the input's last `constant_channels()`) go with every step unchanged."""
+        c, k, frames = self.frame_channels(), self.constant_channels(), []
+        split = inputs.shape[-1] - k
+        x = self._scaled(inputs[..., :split] if k else inputs, True)
+        const = inputs[..., split:] if k else None
         for _ in range(steps):
-            frame = model(x)
+            frame = model(x if const is None else jnp.concatenate(
+                [x, const.astype(x.dtype)], axis=-1))
             frames.append(frame)
             x = jnp.concatenate([x[..., c:], frame.astype(x.dtype)], axis=-1)
         return frames
@@ -374,17 +384,35 @@ class TrajectoryTask(Task[ModelCfg]):
         c = self.frame_channels()
         return [target[..., k * c:(k + 1) * c] for k in range(steps)]
 
+    def target_mask(self, batch, channels: int) -> jax.Array | None:
+        """The first `channels` channels of the batch's `mask_name` field (1 where the
+        target is valid), or None when the task or the batch has none."""
+        mask = batch.get(self.mask_name) if self.mask_name else None
+        return None if mask is None else mask[..., :channels]
+
+    def frame_mse(self, pred: jax.Array, target: jax.Array, mask: jax.Array | None
+                  ) -> jax.Array:
+        """The loss and `eval_loss`: the mean squared error of `pred` against `target`
+        (model units), over the points where `mask` (None: all) is nonzero. A subclass may
+        weight it (GriddedTrajectoryTask: by latitude)."""
+        err = (pred - target) ** 2
+        if mask is None:
+            return jnp.mean(err)
+        return jnp.sum(err * mask) / jnp.maximum(jnp.sum(mask), 1e-12)
+
     def loss(self, model, batch):
         steps = self.window().target_steps
         pred = jnp.concatenate(self.rollout(model, batch[self.input_name], steps), axis=-1)
-        return jnp.mean((pred - self._scaled(batch[self.target_name], True)) ** 2), {}
+        return self.frame_mse(pred, self._scaled(batch[self.target_name], True),
+                              self.target_mask(batch, pred.shape[-1])), {}
 
     def eval_metrics(self, model, batch) -> dict:
         steps = self.rollout_steps()
         scaled = self.rollout(model, batch[self.input_name], steps)
         preds = [self._scaled(p, False) for p in scaled]
         truths = self._truths(batch[self.target_name], steps)
-        metrics = {"eval_loss": jnp.mean((scaled[0] - self._scaled(truths[0], True)) ** 2),
+        metrics = {"eval_loss": self.frame_mse(scaled[0], self._scaled(truths[0], True),
+                                               self.target_mask(batch, self.frame_channels())),
                    "test_rel_l2": jnp.mean(relative_l2(preds[0], truths[0]))}
         for k, (p, t) in enumerate(zip(preds, truths), 1):
             metrics[rollout_key(k, steps)] = jnp.mean(relative_l2(p, t))
@@ -401,22 +429,32 @@ class TrajectoryTask(Task[ModelCfg]):
         """Names of the frame channels in metric keys (default None: c0, c1, ...)."""
         return None
 
+    def score_climatology(self) -> np.ndarray | None:
+        """The climatology `(x, y, C)` in physical units the weather scores are taken
+        against (climatology RMSE, ACC), or None (the default: none). Called when the eval
+        step is traced."""
+        return None
+
     def weather_metrics(self, preds: list, truths: list, batch) -> dict:
         """With `latitudes()`: `lat_mse_<channel>_<lead>` of the rollout and
         `persistence_lat_mse_<channel>_<lead>` of the last input frame held fixed, in
         physical units (spmd.scores.weather.weather_scores; `spmd eval` reports their square
-        roots, lat_rmse_*). NaN truths, and points where a `mask_name` field is 0, are left
-        out. {} without latitudes."""
+        roots, lat_rmse_*); with `score_climatology()` also `climatology_lat_mse_*` of the
+        climatology as the forecast, and the ACCs `acc_*` (model) and `persistence_acc_*`.
+        NaN truths, and points where a `mask_name` field is 0, are left out. {} without
+        latitudes."""
         lat = self.latitudes()
         if lat is None:
             return {}
         c, steps, w = self.frame_channels(), len(preds), self.window()
         initial = batch[self.input_name][..., (w.input_steps - 1) * c:w.input_steps * c]
-        mask = batch.get(getattr(self, "mask_name", None) or "", None)
+        mask = self.target_mask(batch, steps * c)
         if mask is not None:
             mask = jnp.stack([mask[..., k * c:(k + 1) * c] for k in range(steps)], 1) > 0
+        climate = self.score_climatology()
         return weather_scores(preds, truths, initial, lat, channels=self.channel_names(),
-                              mask=mask)
+                              mask=mask, climate=None if climate is None else
+                              jnp.asarray(climate))
 
     def sample_outputs(self, model, batch) -> dict:
         steps, c = self.rollout_steps(), self.frame_channels()
@@ -424,7 +462,7 @@ class TrajectoryTask(Task[ModelCfg]):
         preds = [self._scaled(p, False) for p in self.rollout(model, x, steps)]
         truths = self._truths(batch[self.target_name], steps)
         lead_error = jnp.stack([relative_l2(p, t) for p, t in zip(preds, truths)], axis=1)
-        last = x.shape[-1] - c
+        last = x.shape[-1] - self.constant_channels() - c        # the last input frame
         return {"input": x[..., last], "truth": truths[-1][..., 0],
                 "prediction": preds[-1][..., 0], "error": (preds[-1] - truths[-1])[..., 0],
                 "lead_error": lead_error}

@@ -2,7 +2,8 @@
 
 `configs/weather_era5.yaml` names it (`task: spmd.tasks.weather_fno:WeatherFNO`). Everything
 about the data (variables and levels as channels, date splits, NaN masks, CF decoding,
-latitude-weighted loss, lat-weighted RMSE against persistence in `spmd eval`) comes from
+latitude-weighted loss, lat-weighted RMSE and ACC against persistence and the train
+climatology in `spmd eval`) comes from
 `GriddedTrajectoryTask`; this module only picks the model, spmd.models.fno's FNO2d, whose
 input is the frame's channels plus the constants and whose output is one frame.
 

@@ -43,7 +43,7 @@ def test_climatology_is_the_train_years_mean_and_perfect_acc_is_one(tmp_path):
 
     source = task._statistics_source()
     assert source.count == 365                         # windows of 2 steps: 366 train times
-    rows, frame_bytes = min(source._block_rows, 366), 4 * 6 * 12 * 6
+    rows, frame_bytes = min(source.block_rows, 366), 4 * 6 * 12 * 6
     limit = 366 * frame_bytes // 3
     every = -(-366 * frame_bytes // limit)                      # 3 or 4
     part = train_climatology(source, max_bytes=limit)

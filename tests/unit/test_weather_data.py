@@ -317,7 +317,7 @@ def test_layout_warning_names_the_rechunk_command(files, monkeypatch):
     monkeypatch.setattr(gridded_windows, "MAX_BLOCK_BYTES", 32 * 1024)
     src = source(files["root"] / "nc", time_range=(None, END_2001))
     warnings = src.layout_warnings()
-    assert src._block_rows < 365 and len(warnings) == len(VARIABLES)
+    assert src.block_rows < 365 and len(warnings) == len(VARIABLES)
     assert "era5_2001.nc" in warnings[0] and "nccopy -c time/1,latitude/6,longitude/12" in \
         warnings[0]
     assert "warning: file" in src.describe()

@@ -12,9 +12,10 @@ Independent checks:
   (cos-latitude weights of mean 1, the first eval windows of the test year), per lead;
 - the model's lat_rmse is the square root of the lat_mse the last evaluation logged in
   metrics.jsonl (the same parameters and the same eval batches);
-- the anomaly correlation against the train split's climatology (acc_<channel>_<lead>) is
-  reported, finite and in [-1, 1], land left out (tests/unit/test_weather_climatology.py
-  checks the climatology against xarray).
+- the anomaly correlation against the train split's climatology (acc_<channel>_<lead>, and
+  persistence's) is reported, finite and in [-1, 1], land left out; the climatology's
+  lat-weighted RMSE equals one computed with xarray from the train year's mean
+  (tests/unit/test_weather_climatology.py checks the climatology against xarray).
 """
 
 from __future__ import annotations
@@ -133,6 +134,16 @@ def test_spmd_eval_reports_lat_weighted_rmse_against_persistence(flagship):
         assert np.isfinite(metrics[f"lat_rmse_sst_{lead}"])      # land left out, not NaN
         for channel in ("t2m", "sst", "geopotential_850"):       # ACC vs the train climatology
             assert -1 <= metrics[f"acc_{channel}_{lead}"] <= 1, metrics.get(f"acc_{channel}_{lead}")
+            assert -1 <= metrics[f"persistence_acc_{channel}_{lead}"] <= 1
+            assert np.isfinite(metrics[f"climatology_lat_rmse_{channel}_{lead}"])
+
+    # the climatology baseline from the files alone: the train year's mean, as the forecast
+    clim = xr.open_dataset(flagship["data"] / "era5_2000.nc")["t2m"].values.astype(
+        np.float64).mean(0)
+    for lead in (1, 2):
+        err = (t2m[lead:n + lead] - clim) ** 2
+        want = np.sqrt((err * w).mean(axis=(1, 2)).mean())
+        assert metrics[f"climatology_lat_rmse_t2m_{lead}"] == pytest.approx(want, rel=1e-4)
 
 
 def test_gridded_names_are_exported_where_users_look():

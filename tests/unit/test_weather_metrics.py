@@ -177,8 +177,23 @@ def test_weather_scores_and_finish_scores_give_rmse_per_channel_and_lead():
         [a[:, 0], a[:, 1]], [b[:, 0], b[:, 1]], x, LAT_INNER, channels=["t2m", "z500"],
         climate=clim))(jnp.asarray(f), jnp.asarray(t), jnp.asarray(initial))
     assert sorted(scores) == sorted(
-        f"{p}_{c}_{k}" for p in ("lat_mse", "persistence_lat_mse", "acc")
+        f"{p}_{c}_{k}" for p in ("lat_mse", "persistence_lat_mse", "climatology_lat_mse",
+                                 "acc", "persistence_acc")
         for c in ("t2m", "z500") for k in (1, 2))
+    held = np.repeat(initial[:, None], 2, axis=1)
+    clim = fields(15, (5, 4, 2))
+    got = {k: float(v) for k, v in wm.weather_scores(
+        [f[:, 0], f[:, 1]], [t[:, 0], t[:, 1]], initial, LAT_INNER, climate=clim).items()}
+    climate_rmse = loop_rmse(np.broadcast_to(clim, t.shape), t, LAT_INNER)
+    model_acc, held_acc = loop_acc(f, t, clim, LAT_INNER), loop_acc(held, t, clim, LAT_INNER)
+    done = wm.finish_scores(got)
+    for k in (1, 2):
+        for i, c in enumerate(("c0", "c1")):
+            assert done[f"climatology_lat_rmse_{c}_{k}"] == pytest.approx(
+                climate_rmse[k - 1, i], rel=1e-10)
+            assert done[f"acc_{c}_{k}"] == pytest.approx(model_acc[k - 1, i], rel=1e-10)
+            assert done[f"persistence_acc_{c}_{k}"] == pytest.approx(held_acc[k - 1, i],
+                                                                     rel=1e-10)
     # two equal batches averaged (as evaluate() does), then the square roots
     half = {k: float(v) for k, v in wm.weather_scores(
         [f[:3, 0], f[:3, 1]], [t[:3, 0], t[:3, 1]], initial[:3], LAT_INNER).items()}
@@ -286,6 +301,21 @@ def test_a_trajectory_task_with_latitudes_scores_its_rollout_and_persistence(tmp
             assert float(metrics[f"persistence_lat_mse_{c}_{k}"]) == pytest.approx(
                 persisted[k - 1, i], rel=1e-5)
     assert np.isfinite(float(metrics["lat_mse_t2m_2"]))
+    assert not any(k.startswith(("climatology_", "acc_", "persistence_acc")) for k in metrics)
+
+    clim = fields(22, (5, 4, 2))                  # with a climatology: its RMSE, and ACCs
+    Grid.score_climatology = lambda self: clim
+    metrics = jax.jit(lambda b: task.eval_metrics(model, b))(
+        {"input": jnp.asarray(x), "target": jnp.asarray(y)})
+    climate = wm.mse(np.broadcast_to(clim, truth.shape), truth, LAT_INNER)
+    model_acc = wm.acc(forecast, truth, clim, LAT_INNER)
+    held_acc = wm.acc(np.stack([x[..., 2:]] * 2, 1), truth, clim, LAT_INNER)
+    for k in (1, 2):
+        for i, c in enumerate(("t2m", "z500")):
+            for key, table in (("climatology_lat_mse", climate), ("acc", model_acc),
+                               ("persistence_acc", held_acc)):
+                assert float(metrics[f"{key}_{c}_{k}"]) == pytest.approx(table[k - 1, i],
+                                                                        rel=1e-4)
     Grid.lat = None
     assert not any(k.startswith(("lat_", "persistence_")) for k in jax.eval_shape(
         lambda b: task.eval_metrics(model, b),
@@ -298,6 +328,8 @@ def test_the_rollout_figure_reads_the_last_evaluations_scores(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.image
+
     from spmd.tasks.figures import last_weather_scores, plot_weather_rmse
 
     metrics = tmp_path / "metrics.jsonl"
@@ -311,6 +343,20 @@ def test_the_rollout_figure_reads_the_last_evaluations_scores(tmp_path):
     assert step == 50 and sorted(scores) == ["t2m", "z_500"]
     np.testing.assert_allclose(scores["z_500"]["model"], [1, 2, 3])
     np.testing.assert_allclose(scores["t2m"]["persistence"], [2, 4, 6])
+    assert sorted(scores["t2m"]) == ["model", "persistence"]
     png = plot_weather_rmse(step, scores, tmp_path / "lat_rmse.png", dt=6.0)
     assert png.read_bytes()[:4] == b"\x89PNG"
+    height = matplotlib.image.imread(png).shape[0]
+
+    # with the climatology baseline and ACC: a third line and a row of ACC panels
+    last.update({f"{p}_{c}_{k}": v for c in ("t2m", "z_500") for k in (1, 2, 3) for p, v in
+                 (("climatology_lat_mse", 16.0), ("acc", 1 - 0.1 * k),
+                  ("persistence_acc", 1 - 0.2 * k))})
+    metrics.write_text(json.dumps(last) + "\n")
+    step, scores = last_weather_scores(metrics)
+    np.testing.assert_allclose(scores["t2m"]["climatology"], [4, 4, 4])
+    np.testing.assert_allclose(scores["z_500"]["acc"], [0.9, 0.8, 0.7])
+    np.testing.assert_allclose(scores["z_500"]["persistence_acc"], [0.8, 0.6, 0.4])
+    png = plot_weather_rmse(step, scores, tmp_path / "lat_rmse_acc.png")
+    assert matplotlib.image.imread(png).shape[0] == 2 * height
     assert last_weather_scores(tmp_path / "none.jsonl") is None
