@@ -30,6 +30,11 @@ Invariants:
   index file, so a process opens only the files that hold its rows.
 - A stored example has the field's `BatchField.example_shape`, or that shape without a
   trailing channel axis of size 1 (added on read). Values are cast to the field's dtype.
+- CF-coded NetCDF4 / Zarr variables are decoded as xarray decodes them
+  (spmd.data.cf_decode): `scale_factor`, `add_offset`, and `_FillValue` / `missing_value`
+  become NaN; per member file (the attributes may differ between files), then cast to the
+  field's dtype. A packed dtype the field's dtype cannot hold exactly (int32 packing in a
+  float32 field) is refused.
 - Every error names the file, the dataset path and the config key to change.
 - `rows` may be called from several threads at once (the feed's background reads); the
   source pickles without its open files.
@@ -48,6 +53,7 @@ import numpy as np
 
 from spmd.data.batch import BatchField
 from spmd.data.buffer_pool import BufferPool
+from spmd.data.cf_decode import CF_FORMATS, Coding, decode, stored_coding
 from spmd.data.file_index import FileIndex, load_index
 from spmd.data.member_leases import MemberLeases
 from spmd.data.order import BlockOrder, EpochOrder, make_order
@@ -62,28 +68,6 @@ Region = tuple[tuple[int, int], ...]   # [lo, hi) per example axis of one field
 def store_format(path: Path) -> str:
     """'hdf5', 'netcdf', 'zarr' or 'npy', by what is on disk."""
     return detect_format(path)
-
-
-def _fill_value(value: Any) -> float | None:
-    """A CF fill value attribute as a number, or None when absent or NaN (NaN reads as
-    missing anyway). Zarr v3 attributes written by xarray hold it base64-encoded."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        import base64
-
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except ValueError:
-            return None
-        if len(raw) != 8:                   # xarray's encoding of a float fill value
-            return None
-        value = np.frombuffer(raw, np.float64)[0]
-    try:
-        number = float(np.ravel(value)[0])
-    except (TypeError, ValueError, IndexError):
-        return None
-    return None if np.isnan(number) else number
 
 
 class ArraySource(RecordReads, MemberLeases):
@@ -145,6 +129,7 @@ class ArraySource(RecordReads, MemberLeases):
         self._busy: collections.Counter[int] = collections.Counter()
         self._order: Any = None
         self._checked = False
+        self._codings: dict[tuple[int, str], Coding | None] = {}   # (member, dataset)
 
     def field_key(self, name: str) -> str:
         """What names field `name`'s dataset in messages: `<fields_key>.<name>` (data.fields.u),
@@ -258,7 +243,7 @@ class ArraySource(RecordReads, MemberLeases):
     def _check(self, count: int | None) -> int:
         """Every dataset exists and fits its BatchField; the records usable (all the same)."""
         counts = {}
-        self._refuse_packed()
+        self._check_coding()
         for name, field in self.fields.items():
             key = self.field_key(name)
             want = field.example_shape
@@ -282,38 +267,65 @@ class ArraySource(RecordReads, MemberLeases):
                                  f"{counts}; give a count or fix the file")
         return have if count is None else int(count)
 
-    def _refuse_packed(self) -> None:
-        """A CF-packed NetCDF / Zarr variable (scale_factor / add_offset) would be read as
-        its raw counts without a word: refused, naming file and variable (checked in the
-        first member; gridded files are decoded as xarray does via data.variables)."""
+    def _check_coding(self) -> None:
+        """The CF coding of every field in the first member, found now so that a variable
+        that cannot be decoded (`_Unsigned`, int32 packing in a float32 field) is refused
+        before training, naming file and variable."""
         member = self.files.members[0]
-        if member.format not in ("netcdf", "zarr"):
+        if member.format not in CF_FORMATS:
             return
         store = Store(member.path, self._where(0), member.format, for_records=False)
         try:                                # metadata only: not a lease, no read counted
-            for name, dataset in self.datasets.items():
+            for name in self.fields:
                 try:
-                    attrs = dict(getattr(store.get(dataset, self.field_key(name)), "attrs",
-                                         {}) or {})
+                    store.get(self.datasets[name], self.field_key(name))
                 except ArrayDataError:
-                    continue                    # a missing dataset: _shapes says so
-                packed = sorted({"scale_factor", "add_offset"} & set(attrs))
-                if packed:
-                    raise ArrayDataError(
-                        f"{self._where(0)}: variable '{dataset}' ({self.field_key(name)}) "
-                        f"is CF-packed ({', '.join(packed)}): stored arrays are read raw, "
-                        f"as counts; rewrite it unpacked (xarray: encoding dtype float32) "
-                        f"or, for gridded weather files, list it in data.variables")
-                fills = {k: v for k in ("_FillValue", "missing_value")
-                         if (v := _fill_value(attrs.get(k))) is not None}
-                if fills:
-                    raise ArrayDataError(
-                        f"{self._where(0)}: variable '{dataset}' ({self.field_key(name)}) "
-                        f"marks missing values with {fills}: stored arrays are read raw, so "
-                        f"they would be taken as data; rewrite it with NaN for missing "
-                        f"values or, for gridded weather files, list it in data.variables")
+                    continue                # a missing dataset: _shapes says so
+                self._coding(0, name, store)
         finally:
             store.close()
+
+    def _coding(self, member: int, name: str, store: Store) -> Coding | None:
+        """The CF coding of field `name`'s dataset in member `member` (open as `store`), or
+        None when its values are read as stored; cached per member."""
+        dataset = self.datasets[name]
+        key = (member, dataset)
+        if key in self._codings:
+            coding = self._codings[key]
+        else:
+            coding = None
+            if store.format in CF_FORMATS:
+                array = store.get(dataset, self.field_key(name))
+                coding = stored_coding(store.path, store.format, dataset,
+                                       getattr(array, "attrs", None), self._where(member))
+            with self._lock:
+                self._codings[key] = coding
+        field = self.fields[name]
+        if coding is not None and not (np.can_cast(coding.raw_dtype, field.dtype, "safe")
+                                       and np.can_cast(coding.dtype, field.dtype,
+                                                       "same_kind")):
+            raise ArrayDataError(
+                f"{self._where(member)}: variable '{dataset}' ({self.field_key(name)}) is "
+                f"stored as {coding.raw_dtype} with CF coding (decoded to {coding.dtype}), "
+                f"which batch field '{name}' of dtype {field.dtype} cannot hold exactly "
+                f"before decoding; rewrite it unpacked (xarray: encoding dtype float32)")
+        return coding
+
+    def _decode(self, name: str, value: np.ndarray, member_of: np.ndarray,
+                stores: Mapping[int, Store]) -> None:
+        """Decode in place the rows of `value` (field `name`) read from CF-coded members:
+        the raw values, cast exactly to the field's dtype, go through xarray's steps
+        (spmd.data.cf_decode) and are cast back."""
+        if not len(value):
+            return
+        for m in np.unique(member_of).tolist():
+            coding = self._coding(int(m), name, stores[int(m)])
+            if coding is not None:
+                rows = np.flatnonzero(member_of == m)
+                if len(rows) == len(value):
+                    value[...] = decode(value, coding)
+                else:
+                    value[rows] = decode(value[rows], coding)
 
     def statistics_plan(self) -> dict[str, tuple[bool, int]]:
         """What `spmd data stats` computes for this source (spmd.data.normalization): per
@@ -410,6 +422,8 @@ class ArraySource(RecordReads, MemberLeases):
                 reads += [(name, record, index) for record in records]
             if zarr_reads:
                 nbytes += self._read_zarr(zarr_reads, records)
+            for name in self.fields:                  # CF-coded members, as xarray decodes
+                self._decode(name, out[name], placed[name][0], stores)
         for member in stores:
             per_file[self._path_names[member]] += int(counts[member])
         self._count_reads(reads, nbytes, per_file)
@@ -448,7 +462,7 @@ class ArraySource(RecordReads, MemberLeases):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         for k in ("_lock", "_files", "_offsets", "_ndims", "_stores", "_names", "_busy",
-                  "_order", "_checked", "_announcer", "_announced", "_buffers"):
+                  "_order", "_checked", "_announcer", "_announced", "_buffers", "_codings"):
             state.pop(k, None)
         return state
 

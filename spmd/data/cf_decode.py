@@ -18,10 +18,17 @@ xarray's `CFMaskCoder` and `CFScaleOffsetCoder`:
 The result equals `xarray.open_dataset(...)[name].values` element for element (tested in
 tests/unit/test_weather_data.py). `_Unsigned` (netCDF's unsigned-as-signed hack) is refused
 with the variable named.
+
+`stored_coding` gives the Coding of a stored array that the readers of plain arrays
+(spmd.data.arrays.ArraySource, spmd.data.windows.WindowSource, the statistics of
+spmd.data.normalization) decode: its attributes are looked at first (cheap), and only a
+variable that carries CF coding (`scale_factor`, `add_offset`, a non-NaN `_FillValue` or
+`missing_value`) is opened with xarray, once, for xarray's view of it.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +36,9 @@ import numpy as np
 
 from spmd.data.stores import ArrayDataError
 
-__all__ = ["Coding", "coding_of", "decode"]
+__all__ = ["CF_FORMATS", "Coding", "coding_of", "decode", "has_cf_coding", "stored_coding"]
+
+CF_FORMATS = ("netcdf", "zarr")         # stores whose variables may carry CF attributes
 
 
 @dataclass(frozen=True)
@@ -93,3 +102,68 @@ def decode(raw: np.ndarray, coding: Coding) -> np.ndarray:
     if coding.add_offset is not None:
         data += coding.add_offset
     return data
+
+
+def _fill_value(value: Any) -> float | None:
+    """A CF fill value attribute as a number, or None when absent or NaN (NaN reads as
+    missing anyway). Zarr v3 attributes written by xarray hold it base64-encoded."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        import base64
+
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except ValueError:
+            return None
+        if len(raw) != 8:                   # xarray's encoding of a float fill value
+            return None
+        value = np.frombuffer(raw, np.float64)[0]
+    try:
+        number = float(np.ravel(value)[0])
+    except (TypeError, ValueError, IndexError):
+        return None
+    return None if np.isnan(number) else number
+
+
+def has_cf_coding(attrs: Any) -> bool:
+    """Whether a stored array's attributes (as h5py / h5netcdf / zarr give them) ask for CF
+    decoding: `scale_factor`, `add_offset`, `_Unsigned`, or a non-NaN `_FillValue` /
+    `missing_value`."""
+    attrs = dict(attrs or {})
+    if {"scale_factor", "add_offset", "_Unsigned"} & set(attrs):
+        return True
+    return any(_fill_value(attrs.get(k)) is not None for k in ("_FillValue", "missing_value"))
+
+
+def stored_coding(path: Any, fmt: str, dataset: str, attrs: Any, where: str) -> Coding | None:
+    """The Coding of array `dataset` (a path in the store, e.g. "train/u": group "train",
+    variable "u") of the NetCDF4 file or Zarr store at `path`, as xarray decodes it; None
+    when it needs no decoding (no CF attributes in `attrs`, its attributes as the store
+    gives them, or another format). Opens the file with xarray only when `attrs` carry CF
+    coding. Raises ArrayDataError (naming `where` and the variable) when xarray cannot read
+    it or it uses `_Unsigned`."""
+    if fmt not in CF_FORMATS or not has_cf_coding(attrs):
+        return None
+    import xarray as xr
+
+    group, _, name = str(dataset).strip("/").rpartition("/")
+    kw: dict[str, Any] = ({"engine": "zarr", "consolidated": None} if fmt == "zarr"
+                          else {"engine": "h5netcdf"})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata
+            ds = xr.open_dataset(path, group=group or None, chunks=None, decode_times=False,
+                                 decode_timedelta=False, **kw)
+        with ds:
+            if name not in ds.variables:
+                raise KeyError(name)
+            coding = coding_of(ds.variables[name], where, dataset)
+    except ArrayDataError:
+        raise
+    except Exception as e:     # xarray's backends raise many kinds
+        raise ArrayDataError(f"{where}: variable '{dataset}' carries CF attributes "
+                             f"({sorted(dict(attrs))}) but xarray cannot open it to decode "
+                             f"them ({type(e).__name__}: {e}); rewrite it unpacked "
+                             f"(xarray: encoding dtype float32)") from None
+    return None if coding.identity else coding

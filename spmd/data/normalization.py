@@ -5,6 +5,10 @@ concatenation of spmd.data.file_index), over its first `rows` records: per chann
 stored last axis) the count, mean, population standard deviation (ddof=0), minimum and
 maximum. A dataset without a channel axis has one "channel": all its values.
 
+CF-coded NetCDF4 / Zarr variables (packed, fill values) are decoded as xarray decodes them
+(spmd.data.cf_decode), per member file, before the statistics are taken: as ArraySource
+reads them.
+
 Missing values: NaN (and +-inf) are left out, per channel: `count` is the channel's valid
 values and `missing` the ones left out (a land mask over the sea-surface temperature, say).
 A channel with no valid value at all is an error naming the dataset and the channel, so the
@@ -44,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.data.cf_decode import decode, stored_coding
 from spmd.data.file_index import check_unchanged, has_magic, load_index, resolve
 from spmd.data.stores import ArrayDataError, Store, fingerprint
 
@@ -227,11 +232,15 @@ def partial_statistics(path: str | Path, plan: Mapping[str, tuple[bool, int]], *
         try:
             for dataset, a, b in work[i]:
                 array = store.get(dataset, "data.fields")
+                coding = stored_coding(member.path, store.format, dataset,
+                                       getattr(array, "attrs", None), label)
                 channels = out[dataset]["channels"]
                 per_row = max(1, math.prod(array.shape[1:]))
                 step = max(1, block_bytes // (8 * per_row))
                 for start in range(a, b, step):
                     block = _read(array, start, min(b, start + step), label, dataset)
+                    if coding is not None:          # as ArraySource reads it
+                        block = decode(block, coding).astype(np.float64, copy=False)
                     moments[dataset] = moments[dataset].combine(
                         Moments.of(block.reshape(-1, channels)))
         finally:

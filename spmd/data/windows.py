@@ -29,10 +29,12 @@ Invariants:
   open files.
 - Every error names the file, the dataset path and the key to change (`data.window.*`,
   `data.fields.*`, `data.path`); a damaged file's error names the window too.
-- Windows of stored arrays take axes by position: a CF-packed NetCDF / Zarr variable, or
-  one whose dimension names put a level or a grid axis first, is refused (gridded files
-  are read by spmd.data.gridded_windows, `data.variables`); so is a test split read from a
-  path without `{split}` (it would be the train split).
+- A CF-coded NetCDF / Zarr variable (packed, fill values) is decoded as xarray decodes it,
+  per member file (ArraySource's rule, spmd.data.cf_decode).
+- Windows of stored arrays take axes by position: a NetCDF / Zarr variable whose dimension
+  names put a level or a grid axis first is refused (gridded files are read by
+  spmd.data.gridded_windows, `data.variables`); so is a test split read from a path
+  without `{split}` (it would be the train split).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import numpy as np
 
 from spmd.data.arrays import ArraySource, Region
 from spmd.data.batch import BatchField
+from spmd.data.cf_decode import decode
 from spmd.data.stores import ArrayDataError
 
 __all__ = ["LAYOUTS", "WindowSource"]
@@ -226,6 +229,7 @@ class WindowSource(ArraySource):
         self._one_per_file = layouts[0][0] == 1
         self._squeezed = layouts[0][1]
         self._refuse_cf(layouts[0][0])
+        self._check_coding()
         first, per_row, longest, short = [0], [], 0, 0
         for shape in shapes:
             rows, steps = (1, shape[0]) if self._one_per_file else (shape[0], shape[1])
@@ -258,24 +262,18 @@ class WindowSource(ArraySource):
         return total if count is None else int(count)
 
     def _refuse_cf(self, leading: int) -> None:
-        """A NetCDF / Zarr variable that is CF-packed, or whose named dims put a level or a
-        grid axis where the windows read trajectory or time, would be read wrong without a
-        word (raw counts; level as time): refused, pointing at data.variables."""
+        """A NetCDF / Zarr variable whose named dims put a level or a grid axis where the
+        windows read trajectory or time would be read wrong without a word (level as time):
+        refused, pointing at data.variables. (CF packing is decoded, `_check_coding`.)"""
         with self._member(0) as store:
             if store.format not in ("netcdf", "zarr"):
                 return
             array = store.get(self.dataset, f"{self.fields_key}.{self.input_name}")
-            attrs = dict(getattr(array, "attrs", {}) or {})
             dims = getattr(array, "dimensions", None)
             if dims is None and store.format == "zarr":
                 dims = getattr(getattr(array, "metadata", None), "dimension_names", None)
         where = (f"{self._where(0)}: variable '{self.dataset}' "
                  f"({self.fields_key}.{self.input_name})")
-        packed = sorted({"scale_factor", "add_offset"} & set(attrs))
-        if packed:
-            raise ArrayDataError(f"{where} is CF-packed ({', '.join(packed)}): windows of "
-                                 f"stored arrays read raw values; list it in data.variables "
-                                 f"(decoded as xarray does, with data.splits)")
         named = [str(d) for d in (dims or ()) if d]
         axes = {"level", "pressure_level", "plev", "isobaricInhPa", "lev", "latitude", "lat",
                 "longitude", "lon"}
@@ -366,6 +364,9 @@ class WindowSource(ArraySource):
                 array = store.get(self.dataset, f"{self.fields_key}.{self.input_name}")
                 got = self._read_window(array, window if row < 0 else (row, *window),
                                         member, record, row, t0)
+                coding = self._coding(member, self.input_name, store)
+            if coding is not None:                    # CF-coded: as xarray decodes it
+                got = decode(got, coding)
             nbytes += got.nbytes
             if self._squeezed:
                 got = got[..., None]

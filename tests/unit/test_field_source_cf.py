@@ -1,8 +1,7 @@
 """The field-task source (spmd.data.arrays.ArraySource) on files written by xarray (issue 35):
-a CF-packed NetCDF4 / Zarr variable, or one with a non-NaN fill value, is refused in one
-line naming file and variable (it would be read as raw int16 counts, or the fill value as
-data), a plain one reads as xarray reads it, and a dataset path
-without {split} never makes the test split the train split."""
+a plain variable reads as xarray reads it (CF-packed ones and fill values are decoded:
+tests/unit/test_arrays_cf.py), and a dataset path without {split} never makes the test
+split the train split."""
 
 from __future__ import annotations
 
@@ -39,15 +38,7 @@ def one_line(e: pytest.ExceptionInfo) -> str:
 
 
 @pytest.mark.parametrize("fmt,name", [("netcdf", "f.nc"), ("zarr", "f.zarr")])
-def test_packed_variable_refused_plain_one_reads_as_xarray(tmp_path, fmt, name):
-    path = write(tmp_path / name, fmt, packed=True)
-    src = ArraySource(path, {"a": "train/a", "u": "train/u"}, FIELDS, 2, shuffle=False)
-    with pytest.raises(ArrayDataError) as e:
-        src.check()
-    msg = one_line(e)
-    assert str(path) in msg and "variable 'train/u'" in msg and "data.fields.u" in msg
-    assert "CF-packed" in msg and "data.variables" in msg
-
+def test_plain_variable_reads_as_xarray(tmp_path, fmt, name):
     plain = write(tmp_path / f"plain_{name}", fmt, packed=False)
     src = ArraySource(plain, {"a": "train/a", "u": "train/u"}, FIELDS, 2, shuffle=False)
     kw = {"engine": "netcdf4"} if fmt == "netcdf" else {"engine": "zarr", "consolidated": False}
@@ -55,25 +46,6 @@ def test_packed_variable_refused_plain_one_reads_as_xarray(tmp_path, fmt, name):
     got = src.rows(0, 0, 2)
     np.testing.assert_array_equal(got["u"], want["u"].values[:2])
     assert src.opened_files == [str(plain)]       # the check opened nothing it counts
-
-
-@pytest.mark.parametrize("fmt,name", [("netcdf", "f.nc"), ("zarr", "f.zarr")])
-def test_non_nan_fill_value_refused(tmp_path, fmt, name):
-    """A float variable whose missing points hold -999 (`_FillValue`): read raw, -999 would
-    be data; refused naming file, variable and the value. xarray's default NaN fill reads."""
-    ds = xr.Dataset({n: (("sample", "x", "y"), np.ones((6, 4, 3), np.float32))
-                     for n in ("a", "u")})
-    path, enc = tmp_path / name, {"u": {"_FillValue": -999.0}}
-    if fmt == "netcdf":
-        ds.to_netcdf(path, group="train", encoding=enc, engine="netcdf4", format="NETCDF4")
-    else:
-        ds.to_zarr(path, group="train", encoding=enc, zarr_format=3, consolidated=False)
-    with pytest.raises(ArrayDataError) as e:
-        ArraySource(path, {"a": "train/a", "u": "train/u"}, FIELDS, 2).check()
-    msg = one_line(e)
-    assert str(path) in msg and "variable 'train/u'" in msg and "-999.0" in msg
-    assert "_FillValue" in msg and "data.variables" in msg
-    assert ArraySource(path, {"a": "train/a"}, {"a": FIELDS["a"]}, 2).count == 6
 
 
 def test_dataset_path_without_split_refused_for_the_test_split(tmp_path):
