@@ -8,7 +8,8 @@ chunk, in its own threads, as the bytes stream to the file: the tier writes Zarr
 codecs of each chunk. (Orbax already puts a `crc32c` on each shard's index.) Any TensorStore
 checks them on every read: Orbax's restore, `spmd.load`, a plain
 `ocp.StandardCheckpointer().restore`; a damaged chunk fails the read instead of restoring
-wrong numbers.
+wrong numbers. spmd's own restore reads them with `spmd.checkpoint.reader`, which checks the
+same crc32c in hardware (TensorStore's codec is table-driven and copies each chunk).
 
 `check_data_files` checks them without Orbax, file by file, so that `spmd ckpt verify` and the
 restore's fallback name the damaged file: the item's OCDBT b-tree (TensorStore's public

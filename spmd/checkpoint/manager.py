@@ -249,7 +249,8 @@ class HierarchicalCheckpointer:
             self._last["local"] = step
         if self.persistent is not None:
             persistent = self.persistent
-            persistent.orbax_steps(reload=True)  # every rank: Orbax's delete checks its cache
+            if self.rank != 0:   # Orbax's delete checks its cache (rank 0 reloaded it to plan)
+                persistent.orbax_steps(reload=True)
             newer = self._main.agree("agree on persistent steps to discard", {"ok": True},
                                      lambda v: _newer_persistent(persistent, step))
             for s in newer["kept"]:

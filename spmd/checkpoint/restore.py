@@ -133,7 +133,8 @@ def restore(ctx: RestoreContext, abstract_state: Any,
     docstring; local copies in `ctx.older`'s layout are considered only with it).
 
     `Restored.timings` splits this rank's time: plan_s, read_s, exchange_s, h2d_s (local
-    tier) or orbax_s (persistent tier: Orbax reads and puts on the devices in one call).
+    tier) or orbax_s (persistent tier: the read and the put on the devices, in one call:
+    spmd's reader or Orbax's; one process: read_s = check_s, the manifest's check, + orbax_s).
     """
     t_start = time.perf_counter()
     timings = {"plan_s": 0.0, "read_s": 0.0}
@@ -174,7 +175,7 @@ def restore(ctx: RestoreContext, abstract_state: Any,
         if plan["tier"] == "local":
             bad, data = _load_local(ctx, plan, own, held)
         elif ctx.size == 1:   # one read: Orbax's, whose TensorStore checks every chunk's crc32c
-            bad, loaded = _load_persistent(ctx, step, abstract_state, optional)
+            bad, loaded = _load_persistent(ctx, step, abstract_state, optional, timings)
             data = None
         else:
             bad, data = _check_persistent(ctx, step), None
@@ -216,7 +217,8 @@ def restore(ctx: RestoreContext, abstract_state: Any,
     else:
         assert ctx.persistent is not None
         if loaded is not None:
-            (state, missing), timings["orbax_s"] = loaded, timings["read_s"]
+            (state, missing) = loaded
+            timings["orbax_s"] = timings["read_s"] - timings.get("check_s", 0.0)
         else:
             t0 = time.perf_counter()
             state, missing = _read_persistent(ctx, step, abstract_state, optional)
@@ -298,7 +300,7 @@ def _read_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
 
 
 def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
-                     optional: Sequence[str]
+                     optional: Sequence[str], timings: dict | None = None
                      ) -> tuple[list, tuple[Any, tuple[str, ...]] | None]:
     """One process: check the small files and the data files' sizes, then read the step with
     Orbax, whose TensorStore checks each chunk's crc32c as it reads (no separate pass over
@@ -307,10 +309,15 @@ def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
     reason (another model or config): that error is raised, as before.
 
     With several processes the full check comes first instead (`_check_persistent`): a rank
-    whose read failed would leave the others waiting in Orbax's barrier after the read."""
+    whose read failed would leave the others waiting in Orbax's barrier after the read.
+    The read is spmd's own (spmd.checkpoint.reader: each chunk's crc32c checked in hardware
+    as it is read) for steps it understands, Orbax's otherwise."""
     assert ctx.persistent is not None
+    t0 = time.perf_counter()
     ctx.persistent.prefetch(step)   # the disk starts reading while the checks run
     bad = _check_persistent(ctx, step, deep=False)
+    if timings is not None:   # the manifest's check (small files' crc32c, data files' sizes)
+        timings["check_s"] = timings.get("check_s", 0.0) + time.perf_counter() - t0
     if bad:
         return bad, None
     try:
