@@ -37,7 +37,7 @@ from spmd.checkpoint.chunks import MISSING, RESIDUE, item_values
 from spmd.checkpoint.interface import CheckpointError
 
 Region = tuple[tuple[int, int], ...]   # (start, stop) per dimension
-_THREADS = max(2, min(8, os.cpu_count() or 2))
+_THREADS = 8   # mostly waiting for reads (several in flight help a disk or a parallel FS)
 
 
 class Unsupported(Exception):
