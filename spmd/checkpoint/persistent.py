@@ -60,7 +60,7 @@ from spmd.checkpoint.files import (
 from spmd.checkpoint.finite import count_nonfinite, marked_finite
 from spmd.checkpoint.interface import CheckpointError
 from spmd.checkpoint.layout import parallel_map
-from spmd.checkpoint.reader import Unsupported, read_item
+from spmd.checkpoint.reader import Unsupported, read_item, supports
 from spmd.comm.agreement import Coordinator
 
 log = logging.getLogger("spmd.checkpoint")
@@ -539,15 +539,37 @@ class PersistentTier:
             return [f"{self.step_dir(step) / MANIFEST}: missing or unreadable"]
         return verify_files(self.step_dir(step), manifest, self.rank, self.size, deep)
 
-    def restore(self, step: int, abstract_state: Any,
-                optional: Sequence[str] = ()) -> tuple[Any, tuple[str, ...]]:
+    def restore(self, step: int, abstract_state: Any, optional: Sequence[str] = (),
+                orbax: bool = True) -> tuple[Any, tuple[str, ...]]:
         """Onto `abstract_state`'s shardings: any mesh, any process count (either layout).
 
         Returns the state and the `optional` top-level fields the step does not hold (None
         in the state): it was written before they existed. An optional field the step holds
         but `abstract_state` does not (None: the EMA of a run that switched it off) is not
-        read.
+        read. Without `orbax`, an item spmd's reader does not understand raises
+        `Unsupported` instead of being read by Orbax (whose barriers need every rank).
         """
+        legacy, fields, target, items, partial, missing = self._items(step, abstract_state,
+                                                                      optional)
+        restored = self._read_items(step, items, partial, orbax)
+        if legacy:
+            whole = restored[LEGACY_ITEM]
+            return (whole if fields is None or not dataclasses.is_dataclass(target)
+                    else dataclasses.replace(target, **whole)), missing
+        return join_state(target, {name: restored[name] for name in items}), missing
+
+    def readable(self, step: int, abstract_state: Any, optional: Sequence[str] = ()) -> bool:
+        """Whether spmd's reader reads every item of `step` onto `abstract_state` (from the
+        metadata alone; False where it cannot be read)."""
+        try:
+            _, _, _, items, partial, _ = self._items(step, abstract_state, optional)
+        except Exception:
+            return False
+        return all(supports(self.step_dir(step) / name, tree, name in partial)
+                   for name, tree in items.items())
+
+    def _items(self, step: int, abstract_state: Any, optional: Sequence[str]) -> tuple:
+        """(legacy, fields, target, {item: its target}, partial items, missing fields)."""
         legacy = (self.step_dir(step) / LEGACY_ITEM).is_dir()
         stored = self._stored_fields(step, LEGACY_ITEM if legacy else TRAIN_STATE) \
             if optional else None
@@ -559,19 +581,16 @@ class PersistentTier:
             log.info("persistent step %d holds %s, which this run's state does not have: "
                      "not restored", step, ", ".join(unread))
         partial = {LEGACY_ITEM if legacy else TRAIN_STATE} if unread else set()
+        fields = None
         if legacy:  # the whole state in one item; absent fields are not in its tree
             fields = _present_fields(target)
             items = {LEGACY_ITEM: target if fields is None else fields}
         else:
             items = split_state(target)
-        restored = self._read_items(step, items, partial)
-        if legacy:
-            whole = restored[LEGACY_ITEM]
-            return (whole if fields is None or not dataclasses.is_dataclass(target)
-                    else dataclasses.replace(target, **whole)), missing
-        return join_state(target, {name: restored[name] for name in items}), missing
+        return legacy, fields, target, items, partial, missing
 
-    def _read_items(self, step: int, items: Mapping[str, Any], partial: set[str]) -> dict:
+    def _read_items(self, step: int, items: Mapping[str, Any], partial: set[str],
+                    orbax: bool = True) -> dict:
         """Each item of `step` onto its target: spmd's reader (spmd.checkpoint.reader: the
         chunks read once, their crc32c checked in hardware) where it understands the item,
         else Orbax's restore (older formats, compressed steps; it raises where the step does
@@ -581,6 +600,8 @@ class PersistentTier:
             try:
                 restored[name] = read_item(self.step_dir(step) / name, tree, name in partial)
             except Unsupported as e:
+                if not orbax:
+                    raise
                 log.debug("persistent step %d, item %s: read by Orbax (%s)", step, name, e)
         rest = {name: tree for name, tree in items.items() if name not in restored}
         if rest:

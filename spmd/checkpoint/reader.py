@@ -265,14 +265,25 @@ def _region(index: tuple, shape: tuple[int, ...]) -> Region:
     return tuple(out)
 
 
+def supports(item_dir: Path, target: Any, partial: bool = False) -> bool:
+    """Whether `read_item` reads this item onto `target` (its metadata alone is read): the
+    ranks agree on it before reading, so that none is left in Orbax's barriers."""
+    try:
+        read_item(item_dir, target, partial, dry_run=True)
+    except Exception:   # Unsupported, or metadata that cannot be read: Orbax's path
+        return False
+    return True
+
+
 def read_item(item_dir: Path, target: Any, partial: bool = False,
-              names_of: Any = None) -> Any:
+              names_of: Any = None, dry_run: bool = False) -> Any:
     """The arrays of one Orbax item (a directory of a persistent step) onto `target`'s
     leaves (`jax.ShapeDtypeStruct`s with shardings), as `target`'s tree.
 
     `partial`: the item may hold arrays the target does not name (not read). Raises
     `Unsupported` (read it with Orbax instead) or `DamagedChunk`/`CheckpointError` (naming
-    the file) when a chunk, an index or the b-tree is damaged.
+    the file) when a chunk, an index or the b-tree is damaged. `dry_run`: check the
+    metadata, read no data, return None.
     """
     import jax
 
@@ -309,6 +320,8 @@ def read_item(item_dir: Path, target: Any, partial: bool = False,
                     leaf.shape).items():
                 regions.setdefault(_region(index, leaf.shape), []).append(device)
             tasks += [(i, region, devices) for region, devices in regions.items()]
+        if dry_run:
+            return None
         tasks.sort(key=lambda t: src.position(_chunk_key(
             arrays[t[0]].name, [a // o for (a, _), o in zip(t[1], arrays[t[0]].outer)])))
 

@@ -134,7 +134,8 @@ def restore(ctx: RestoreContext, abstract_state: Any,
 
     `Restored.timings` splits this rank's time: plan_s, read_s, exchange_s, h2d_s (local
     tier) or orbax_s (persistent tier: the read and the put on the devices, in one call:
-    spmd's reader or Orbax's; one process: read_s = check_s, the manifest's check, + orbax_s).
+    spmd's reader or Orbax's; where the read checks the chunks: read_s = check_s, the
+    manifest's check, + orbax_s).
     """
     t_start = time.perf_counter()
     timings = {"plan_s": 0.0, "read_s": 0.0}
@@ -174,16 +175,18 @@ def restore(ctx: RestoreContext, abstract_state: Any,
         t0 = time.perf_counter()
         if plan["tier"] == "local":
             bad, data = _load_local(ctx, plan, own, held)
-        elif ctx.size == 1:   # one read: Orbax's, whose TensorStore checks every chunk's crc32c
+        elif ctx.size == 1:   # one read, which checks every chunk's crc32c
             bad, loaded = _load_persistent(ctx, step, abstract_state, optional, timings)
             data = None
         else:
-            bad, data = _check_persistent(ctx, step), None
+            bad, loaded = _load_persistent_ranks(ctx, step, abstract_state, optional, timings)
+            data = None
         timings["read_s"] += time.perf_counter() - t0
         decision = ctx.coord.agree(f"check their sources for step {step}", {"bad": bad},
                                    planner.decide_round)
         if decision["ok"]:
             break
+        loaded = None   # another rank's source failed: this round's read is not used
         problems += decision["problems"]
         for p in decision["problems"]:
             mine = p.startswith(f"rank {ctx.rank}:")
@@ -308,8 +311,7 @@ def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
     file's chunks), which names the damaged file; a step that passes it failed for another
     reason (another model or config): that error is raised, as before.
 
-    With several processes the full check comes first instead (`_check_persistent`): a rank
-    whose read failed would leave the others waiting in Orbax's barrier after the read.
+    Several processes: `_load_persistent_ranks`.
     The read is spmd's own (spmd.checkpoint.reader: each chunk's crc32c checked in hardware
     as it is read) for steps it understands, Orbax's otherwise."""
     assert ctx.persistent is not None
@@ -327,6 +329,37 @@ def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
         if not bad:
             raise
         return bad, None
+
+
+def _load_persistent_ranks(ctx: RestoreContext, step: int, abstract_state: Any,
+                           optional: Sequence[str], timings: dict
+                           ) -> tuple[list, tuple[Any, tuple[str, ...]] | None]:
+    """Several processes: when every rank's spmd reader understands the step (agreed first),
+    each rank checks its share of the small files, then reads what its devices need, every
+    chunk's crc32c checked as it is read: the data is read once, and a rank whose read fails
+    reports it (naming the file) in the round's agreement, as the reader has no barrier to
+    leave the others in. Otherwise the full check of each rank's share of the data files,
+    then Orbax's read once all ranks found the step intact (its barriers need every rank)."""
+    assert ctx.persistent is not None
+    t0 = time.perf_counter()
+    readable = ctx.persistent.readable(step, abstract_state, optional)
+    agreed = ctx.coord.agree(f"tell whether spmd's reader reads persistent step {step}",
+                             {"ok": readable})
+    if not agreed["ok"]:
+        log.info("persistent step %d: not every rank's spmd reader reads it (an older or "
+                 "compressed step?): full check, then Orbax's read", step)
+        return _check_persistent(ctx, step), None
+    ctx.persistent.prefetch(step)
+    bad = _check_persistent(ctx, step, deep=False)
+    timings["check_s"] = timings.get("check_s", 0.0) + time.perf_counter() - t0
+    if bad:
+        return bad, None
+    try:
+        state, missing = ctx.persistent.restore(step, abstract_state, optional, orbax=False)
+        return [], (jax.block_until_ready(state), missing)
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e)[:2000]}"
+        return [["persistent", step, -1, f"rank {ctx.rank}: persistent step {step}: {why}"]], None
 
 
 def _exchange_and_assemble(ctx: RestoreContext, plan: dict, data: dict[int, dict],

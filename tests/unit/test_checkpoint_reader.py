@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.checkpoint.chunks import item_values
 from spmd.checkpoint.persistent import PersistentTier
-from spmd.checkpoint.reader import DamagedChunk, Unsupported, read_item
+from spmd.checkpoint.reader import DamagedChunk, Unsupported, read_item, supports
 from spmd.config.load import config_from_dict
 from tests.helpers.stand_ins import RecordedEvents, one_process_checkpointer
 
@@ -118,6 +118,9 @@ def test_leaves_what_it_does_not_understand_to_orbax(saved):
     root, state = saved
     with pytest.raises(Unsupported, match="compressed"):
         read_item(_item(root, "zstd"), _abstract(state))
+    # what the ranks agree on before reading (metadata alone)
+    assert supports(_item(root), _abstract(state))
+    assert not supports(_item(root, "zstd"), _abstract(state))
     smaller = {k: v for k, v in state.items() if k != "opt"}
     with pytest.raises(Unsupported, match="other arrays"):
         read_item(_item(root), _abstract(smaller))
@@ -126,6 +129,9 @@ def test_leaves_what_it_does_not_understand_to_orbax(saved):
     tier = PersistentTier(root / "zstd" / "checkpoints", 0, 1, 1, 1, 60.0, False, None,
                           compress=True)
     try:
+        assert not tier.readable(5, _abstract(state))
+        with pytest.raises(Unsupported):   # several processes: never Orbax's read unagreed
+            tier.restore(5, _abstract(state), orbax=False)
         restored, missing = tier.restore(5, _abstract(state))
     finally:
         tier.close()
