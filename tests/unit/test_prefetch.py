@@ -58,7 +58,9 @@ def test_prefetched_batches_are_bit_identical(data, strategy, axes):
             assert a[name].tobytes() == b[name].tobytes()
             assert b[name].dtype == np.float32
     reader = ahead._readers[id(on)][1]
-    assert reader.hits == 11 and reader.misses == 1
+    # every step after the first was asked of the reader ahead of time; how many were
+    # already read when asked depends on the CPU the threads got (11 of 11 on an idle machine)
+    assert reader.hits + reader.misses == 12 and reader.hits >= 1, (reader.hits, reader.misses)
     ahead.close()
 
 
