@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,9 +220,8 @@ def restore(ctx: RestoreContext, abstract_state: Any,
             if partners else "")
     else:
         assert ctx.persistent is not None
-        if loaded is not None:
+        if loaded is not None:   # orbax_s: the read, during which check_s ran
             (state, missing) = loaded
-            timings["orbax_s"] = timings["read_s"] - timings.get("check_s", 0.0)
         else:
             t0 = time.perf_counter()
             state, missing = _read_persistent(ctx, step, abstract_state, optional)
@@ -305,43 +305,70 @@ def _read_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
 def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
                      optional: Sequence[str], timings: dict | None = None
                      ) -> tuple[list, tuple[Any, tuple[str, ...]] | None]:
-    """One process: check the small files and the data files' sizes, then read the step with
-    Orbax, whose TensorStore checks each chunk's crc32c as it reads (no separate pass over
-    the data). A read that fails is told apart from damage by the full check (each data
-    file's chunks), which names the damaged file; a step that passes it failed for another
-    reason (another model or config): that error is raised, as before.
+    """One process: check the small files and the data files' sizes while the step is read
+    (spmd's reader, each chunk's crc32c checked in hardware as it is read, for steps it
+    understands; Orbax's, whose TensorStore checks them, otherwise): no separate pass over
+    the data, and the read is used only once the check passed too. A read that fails is told
+    apart from damage by the full check (each data file's chunks), which names the damaged
+    file; a step that passes it failed for another reason (another model or config): that
+    error is raised, as before.
 
-    Several processes: `_load_persistent_ranks`.
-    The read is spmd's own (spmd.checkpoint.reader: each chunk's crc32c checked in hardware
-    as it is read) for steps it understands, Orbax's otherwise."""
+    Several processes: `_load_persistent_ranks`."""
+    assert ctx.persistent is not None
+    bad, loaded, failed = _checked_read(
+        ctx, step, lambda: _read_persistent(ctx, step, abstract_state, optional), timings)
+    if bad or loaded is not None:
+        return bad, None if bad else loaded
+    bad = _check_persistent(ctx, step, deep=True)
+    if not bad:
+        raise failed
+    return bad, None
+
+
+def _checked_read(ctx: RestoreContext, step: int, read: Callable[[], Any],
+                  timings: dict | None) -> tuple[list, Any, Exception | None]:
+    """(problems the manifest's shallow check found, what `read` returned or None, the
+    exception it raised or None): the check (small files' crc32c, data files' sizes, on
+    another thread) runs while `read` reads, both cold, mostly waiting for the disk."""
     assert ctx.persistent is not None
     t0 = time.perf_counter()
-    ctx.persistent.prefetch(step)   # the disk starts reading while the checks run
-    bad = _check_persistent(ctx, step, deep=False)
-    if timings is not None:   # the manifest's check (small files' crc32c, data files' sizes)
-        timings["check_s"] = timings.get("check_s", 0.0) + time.perf_counter() - t0
-    if bad:
-        return bad, None
-    try:
-        return [], _read_persistent(ctx, step, abstract_state, optional)
-    except CheckpointError:
-        bad = _check_persistent(ctx, step, deep=True)
-        if not bad:
-            raise
-        return bad, None
+    ctx.persistent.prefetch(step)   # the disk starts reading ahead of the read's requests
+    took: list[float] = []
+
+    def check() -> list:
+        t = time.perf_counter()
+        try:
+            return _check_persistent(ctx, step, deep=False)
+        finally:
+            took.append(time.perf_counter() - t)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="spmd-ckpt-check") as pool:
+        checking = pool.submit(check)
+        loaded, failed = None, None
+        try:
+            loaded = read()
+        except Exception as e:
+            failed = e
+        read_s = time.perf_counter() - t0
+        bad = checking.result()
+    if timings is not None:   # check_s overlaps orbax_s (the read); read_s is both
+        timings["check_s"] = timings.get("check_s", 0.0) + sum(took)
+        timings["orbax_s"] = read_s
+    if failed is not None and not isinstance(failed, CheckpointError):
+        raise failed
+    return bad, loaded, failed
 
 
 def _load_persistent_ranks(ctx: RestoreContext, step: int, abstract_state: Any,
                            optional: Sequence[str], timings: dict
                            ) -> tuple[list, tuple[Any, tuple[str, ...]] | None]:
     """Several processes: when every rank's spmd reader understands the step (agreed first),
-    each rank checks its share of the small files, then reads what its devices need, every
-    chunk's crc32c checked as it is read: the data is read once, and a rank whose read fails
-    reports it (naming the file) in the round's agreement, as the reader has no barrier to
-    leave the others in. Otherwise the full check of each rank's share of the data files,
+    each rank checks its share of the small files while it reads what its devices need,
+    every chunk's crc32c checked as it is read: the data is read once, and a rank whose read
+    fails reports it (naming the file) in the round's agreement, as the reader has no barrier
+    to leave the others in. Otherwise the full check of each rank's share of the data files,
     then Orbax's read once all ranks found the step intact (its barriers need every rank)."""
     assert ctx.persistent is not None
-    t0 = time.perf_counter()
     readable = ctx.persistent.readable(step, abstract_state, optional)
     agreed = ctx.coord.agree(f"tell whether spmd's reader reads persistent step {step}",
                              {"ok": readable})
@@ -349,17 +376,20 @@ def _load_persistent_ranks(ctx: RestoreContext, step: int, abstract_state: Any,
         log.info("persistent step %d: not every rank's spmd reader reads it (an older or "
                  "compressed step?): full check, then Orbax's read", step)
         return _check_persistent(ctx, step), None
-    ctx.persistent.prefetch(step)
-    bad = _check_persistent(ctx, step, deep=False)
-    timings["check_s"] = timings.get("check_s", 0.0) + time.perf_counter() - t0
-    if bad:
-        return bad, None
-    try:
-        state, missing = ctx.persistent.restore(step, abstract_state, optional, orbax=False)
-        return [], (jax.block_until_ready(state), missing)
-    except Exception as e:
-        why = f"{type(e).__name__}: {str(e)[:2000]}"
-        return [["persistent", step, -1, f"rank {ctx.rank}: persistent step {step}: {why}"]], None
+
+    def read() -> tuple[Any, tuple[str, ...]]:
+        try:
+            state, missing = ctx.persistent.restore(step, abstract_state, optional,
+                                                    orbax=False)
+            return jax.block_until_ready(state), missing
+        except Exception as e:   # reported in the agreement, never raised alone
+            raise CheckpointError(f"rank {ctx.rank}: persistent step {step}: "
+                                  f"{type(e).__name__}: {str(e)[:2000]}") from e
+
+    bad, loaded, failed = _checked_read(ctx, step, read, timings)
+    if bad or loaded is not None:
+        return bad, None if bad else loaded
+    return [["persistent", step, -1, str(failed)]], None
 
 
 def _exchange_and_assemble(ctx: RestoreContext, plan: dict, data: dict[int, dict],
