@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import scipy.fft
-import scipy.sparse
-import scipy.sparse.linalg
 
 from spmd.data.field_files import FieldsInfo, solver_attrs, write_fields
 from spmd.errors import SpmdError
+
+# scipy is imported where a field is sampled or solved: every rank imports this module (the
+# FNO task's data), and only the rank that makes the dataset needs scipy (0.3 s per import).
 
 SOLVER_NAME = "fd5-harmonic-superlu"
 GENERATOR_VERSION = 1   # bump when the same parameters would give different samples
@@ -66,6 +66,8 @@ def random_permeability(rng: np.random.Generator, grid: int, p: DarcyParams) -> 
     coef = p.tau ** (p.alpha - 1) * (np.pi**2 * (k1**2 + k2**2) + p.tau**2) ** (-p.alpha / 2)
     spectrum = grid * coef * rng.standard_normal((grid, grid))
     spectrum[0, 0] = 0.0
+    import scipy.fft
+
     psi = scipy.fft.idctn(spectrum, type=2, norm="ortho")
     return np.where(psi >= 0, p.a_high, p.a_low)
 
@@ -74,8 +76,11 @@ def _harmonic(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return 2.0 * a * b / (a + b)
 
 
-def darcy_matrix(a: np.ndarray) -> scipy.sparse.csc_matrix:
-    """The SPD 5-point operator for -div(a grad .) on the interior nodes (row-major order)."""
+def darcy_matrix(a: np.ndarray) -> Any:
+    """The SPD 5-point operator for -div(a grad .) on the interior nodes (row-major order),
+    a scipy.sparse.csc_matrix."""
+    import scipy.sparse
+
     g = a.shape[0]
     n = g - 2
     h2 = (1.0 / (g - 1)) ** 2
@@ -101,6 +106,8 @@ def solve_darcy(a: np.ndarray, forcing: float = 1.0) -> np.ndarray:
     g = a.shape[0]
     if a.shape != (g, g) or g < 3:
         raise ValueError(f"permeability must be square with grid >= 3, got shape {a.shape}")
+    import scipy.sparse.linalg
+
     matrix = darcy_matrix(a.astype(np.float64))
     rhs = np.full((g - 2) * (g - 2), float(forcing))
     interior = scipy.sparse.linalg.spsolve(matrix, rhs, permc_spec="MMD_AT_PLUS_A")
