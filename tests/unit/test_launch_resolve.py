@@ -2,17 +2,23 @@
 
 Each case is rank 5 of 8, four ranks per node (so node 1, local rank 1), with the variables
 that launcher really sets and none of the others. No MPI here (SPMD_MPI=0): resolution from
-the environment alone, as on a system whose launcher we cannot run.
+the environment alone, as on a system whose launcher we cannot run. Every multi-rank case
+(each launcher, Slurm's cyclic distribution, the human output) runs in one child process
+(tests/helpers/doctor_batch.py: one `spmd doctor` per case, each in its own environment)
+rather than one process each; the single-process case, which starts JAX, runs on its own.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
 from spmd.launch.coordinator import derived_port
-from tests.helpers.env import clean_env, run_spmd
+from tests.helpers.env import REPO, clean_env, run_spmd
 
 RANK5_OF_8 = dict(rank=5, size=8, local_rank=1, local_size=4, node_id=1, num_nodes=2,
                   node_of_rank=[0, 0, 0, 0, 1, 1, 1, 1])
@@ -97,15 +103,38 @@ CASES = {
 LAUNCHER = {"openmpi4": "openmpi", "openmpi5": "openmpi", "explicit_jax": "explicit"}
 
 
+CYCLIC = dict(SLURM_JOB_ID="1", SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="2",
+              SLURM_NODEID="1", SLURM_STEP_TASKS_PER_NODE="4(x2)",
+              SLURM_DISTRIBUTION="cyclic", SLURM_STEP_NODELIST="a,b")
+HUMAN = dict(SLURM_JOB_ID="4242", SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1",
+             SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NODELIST="n1")
+
+
+@pytest.fixture(scope="module")
+def doctor(tmp_path_factory) -> dict[str, SimpleNamespace]:
+    """`spmd doctor [--json]` of every case, run in one child process: name -> result
+    (returncode, stdout, stderr)."""
+    nodefile = tmp_path_factory.mktemp("pals") / "nodefile"
+    nodefile.write_text("x3001c0s13b0n0\nx3001c0s19b0n0\n")
+    runs = {case: (dict(variables, PBS_NODEFILE=str(nodefile)) if case == "pals"
+                   else variables, ["doctor", "--json"])
+            for case, (variables, _, _) in CASES.items()}
+    runs["cyclic"] = (CYCLIC, ["doctor", "--json"])
+    runs["human"] = (HUMAN, ["doctor"])
+    cases = [{"env": clean_env(SPMD_MPI="0", **variables), "args": args}
+             for variables, args in runs.values()]
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.doctor_batch"],
+                          input=json.dumps(cases), capture_output=True, text=True,
+                          env=clean_env(SPMD_MPI="0"), timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    results = json.loads(proc.stdout.splitlines()[-1])
+    return {name: SimpleNamespace(**r) for name, r in zip(runs, results)}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_doctor_resolves_launcher(case, tmp_path):
-    variables, sources, coordinator = CASES[case]
-    variables = dict(variables)
-    if case == "pals":
-        nodefile = tmp_path / "nodefile"
-        nodefile.write_text("x3001c0s13b0n0\nx3001c0s19b0n0\n")
-        variables["PBS_NODEFILE"] = str(nodefile)
-    result = run_spmd("doctor", "--json", env=clean_env(SPMD_MPI="0", **variables), timeout=60)
+def test_doctor_resolves_launcher(case, doctor):
+    _, sources, coordinator = CASES[case]
+    result = doctor[case]
     assert result.returncode in (0, 1), result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     report = json.loads(result.stdout)
@@ -122,11 +151,8 @@ def test_doctor_resolves_launcher(case, tmp_path):
         assert report["coordinator"] == coordinator
 
 
-def test_slurm_cyclic_distribution():
-    variables = dict(SLURM_JOB_ID="1", SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="2",
-                     SLURM_NODEID="1", SLURM_STEP_TASKS_PER_NODE="4(x2)",
-                     SLURM_DISTRIBUTION="cyclic", SLURM_STEP_NODELIST="a,b")
-    result = run_spmd("doctor", "--json", env=clean_env(SPMD_MPI="0", **variables), timeout=60)
+def test_slurm_cyclic_distribution(doctor):
+    result = doctor["cyclic"]
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["node_of_rank"] == [0, 1, 0, 1, 0, 1, 0, 1]
@@ -144,10 +170,8 @@ def test_single_process_lists_jax_devices():
     assert report["jax"]["device_count"] == 3
 
 
-def test_human_output_names_sources():
-    variables = dict(SLURM_JOB_ID="4242", SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1",
-                     SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NODELIST="n1")
-    result = run_spmd("doctor", env=clean_env(SPMD_MPI="0", **variables), timeout=60)
+def test_human_output_names_sources(doctor):
+    result = doctor["human"]
     assert result.returncode == 0, result.stderr
     assert "rank 1 of 2" in result.stdout
     assert "<- SLURM_PROCID" in result.stdout
