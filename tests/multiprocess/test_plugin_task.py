@@ -20,11 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers.env import REPO, clean_env
+from tests.helpers.env import REPO, clean_env, side_by_side
 
 PROJECT = REPO / "tests" / "multiprocess" / "plugin_project"
 SPMD = Path(sys.executable).parent / "spmd"
 STEPS = 8
+# runs compared by their losses alone skip the final persistent save (about 1.5 s CPU each);
+# test_kill_9_then_resume_is_bit_identical keeps checkpoints
+NO_SAVE = ("checkpoint.final=false",)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def one_device(project) -> list[float]:
     run_dir = project / "runs" / "one"
-    r = spmd(project, "train", "heat.yaml", f"run.dir={run_dir}", devices=1)
+    r = spmd(project, "train", "heat.yaml", f"run.dir={run_dir}", *NO_SAVE, devices=1)
     assert r.returncode == 0, r.stderr
     got = losses(run_dir)
     assert len(got) == STEPS and got[-1] < got[0], got
@@ -66,7 +69,7 @@ def one_device(project) -> list[float]:
 ], ids=["dp", "fsdp", "spatial"])
 def test_plugin_trains_under_every_preset_like_one_device(project, one_device, overrides):
     run_dir = project / "runs" / overrides[0].split("=")[1]
-    r = spmd(project, "train", "heat.yaml", f"run.dir={run_dir}", *overrides)
+    r = spmd(project, "train", "heat.yaml", f"run.dir={run_dir}", *NO_SAVE, *overrides)
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(losses(run_dir), one_device, rtol=1e-4)
     resolved = (run_dir / "config.yaml").read_text()
@@ -92,23 +95,27 @@ def test_shardings_and_plan_accept_the_plugin(project):
 def test_kill_9_then_resume_is_bit_identical(project):
     common = ("heat.yaml", "train.steps=30", "checkpoint.every=2", "mesh.strategy=dp")
     reference = project / "runs" / "uninterrupted"
-    r = spmd(project, "train", *common, f"run.dir={reference}")
-    assert r.returncode == 0, r.stderr
-
     run_dir = project / "runs" / "killed"
-    script = [str(SPMD)] if SPMD.exists() else [sys.executable, "-m", "spmd.cli"]
-    proc = subprocess.Popen([*script, "train", *common, f"run.dir={run_dir}"], cwd=project,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=clean_env(JAX_NUM_CPU_DEVICES="8", HEAT_STEP_DELAY_S="0.2"))
-    try:
-        committed = run_dir / "local" / "8" / "rank00000" / "COMMITTED"
-        deadline = time.time() + 240
-        while time.time() < deadline and not committed.exists():
-            time.sleep(0.05)
-        assert committed.exists(), "no committed checkpoint of step 8 before the deadline"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+
+    def kill_after_step_8() -> None:
+        script = [str(SPMD)] if SPMD.exists() else [sys.executable, "-m", "spmd.cli"]
+        proc = subprocess.Popen([*script, "train", *common, f"run.dir={run_dir}"], cwd=project,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=clean_env(JAX_NUM_CPU_DEVICES="8", HEAT_STEP_DELAY_S="0.2"))
+        try:
+            committed = run_dir / "local" / "8" / "rank00000" / "COMMITTED"
+            deadline = time.time() + 240
+            while time.time() < deadline and not committed.exists():
+                time.sleep(0.05)
+            assert committed.exists(), "no committed checkpoint of step 8 before the deadline"
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    # the slowed run mostly sleeps (HEAT_STEP_DELAY_S): the reference trains meanwhile
+    r, _ = side_by_side(lambda: spmd(project, "train", *common, f"run.dir={reference}"),
+                        kill_after_step_8)
+    assert r.returncode == 0, r.stderr
     assert len(losses(run_dir)) < 30  # it really died mid-run
     r = spmd(project, "train", *common, f"run.dir={run_dir}")
     assert r.returncode == 0, r.stderr
@@ -117,15 +124,24 @@ def test_kill_9_then_resume_is_bit_identical(project):
     assert losses(run_dir) == losses(reference)  # bit-identical, every step
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("task=heatpkg.nope:HeatTask", "task: cannot import module 'heatpkg.nope'"),
-    ("task=heatpkg.task:not_a_task", "not a subclass of spmd.Task"),
-    ("model.widht=8", "unknown config key 'model.widht'; did you mean 'model.width'?"),
-    ("task=heatpkg.task:Missing", "module 'heatpkg.task' has no attribute 'Missing'"),
-    ("model.width=wide", "command line: model.width=wide: Input should be a valid integer"),
-])
-def test_bad_task_config_is_one_line(project, override, expected):
-    for command in ("train", "shardings"):
+@pytest.mark.parametrize("override, expected, commands", [
+    ("task=heatpkg.nope:HeatTask", "task: cannot import module 'heatpkg.nope'",
+     ("train", "shardings")),
+    ("task=heatpkg.task:not_a_task", "not a subclass of spmd.Task", ("train",)),
+    ("model.widht=8", "unknown config key 'model.widht'; did you mean 'model.width'?",
+     ("train",)),
+    ("task=heatpkg.task:Missing", "module 'heatpkg.task' has no attribute 'Missing'",
+     ("train",)),
+    ("model.width=wide", "command line: model.width=wide: Input should be a valid integer",
+     ("train", "shardings")),
+], ids=["no-module", "not-a-task", "unknown-key", "no-attribute", "bad-value"])
+def test_bad_task_config_is_one_line(project, override, expected, commands):
+    """Each kind of bad task config, refused in one line before anything starts: a module
+    that does not import, a name that is not a Task, an unknown key, a missing attribute, a
+    value of the wrong type. `spmd train` meets all five; `spmd shardings` reads the config
+    through the same loader, so it is checked on one task error and one schema error
+    (each command costs a JAX import, about 2 s of CPU)."""
+    for command in commands:
         r = spmd(project, command, "heat.yaml", override, devices=1, timeout=120)
         assert r.returncode == 2, r.stderr
         assert expected in r.stderr, r.stderr
