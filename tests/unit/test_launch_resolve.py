@@ -4,21 +4,20 @@ Each case is rank 5 of 8, four ranks per node (so node 1, local rank 1), with th
 that launcher really sets and none of the others. No MPI here (SPMD_MPI=0): resolution from
 the environment alone, as on a system whose launcher we cannot run. Every multi-rank case
 (each launcher, Slurm's cyclic distribution, the human output) runs in one child process
-(tests/helpers/doctor_batch.py: one `spmd doctor` per case, each in its own environment)
+(tests/helpers/cli_batch.py: one `spmd doctor` per case, each in its own environment)
 rather than one process each; the single-process case, which starts JAX, runs on its own.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
 from spmd.launch.coordinator import derived_port
-from tests.helpers.env import REPO, clean_env, run_spmd
+from tests.helpers.cli_batch import run_batch
+from tests.helpers.env import clean_env, run_spmd
 
 RANK5_OF_8 = dict(rank=5, size=8, local_rank=1, local_size=4, node_id=1, num_nodes=2,
                   node_of_rank=[0, 0, 0, 0, 1, 1, 1, 1])
@@ -121,14 +120,9 @@ def doctor(tmp_path_factory) -> dict[str, SimpleNamespace]:
             for case, (variables, _, _) in CASES.items()}
     runs["cyclic"] = (CYCLIC, ["doctor", "--json"])
     runs["human"] = (HUMAN, ["doctor"])
-    cases = [{"env": clean_env(SPMD_MPI="0", **variables), "args": args}
-             for variables, args in runs.values()]
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.doctor_batch"],
-                          input=json.dumps(cases), capture_output=True, text=True,
-                          env=clean_env(SPMD_MPI="0"), timeout=120, cwd=REPO)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    results = json.loads(proc.stdout.splitlines()[-1])
-    return {name: SimpleNamespace(**r) for name, r in zip(runs, results)}
+    results = run_batch([(clean_env(SPMD_MPI="0", **variables), args)
+                         for variables, args in runs.values()], timeout=120)
+    return dict(zip(runs, results))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
