@@ -69,7 +69,7 @@ class TrainState:
 
 
 # Fields of TrainState that a checkpoint may lack (written by an earlier spmd, or before the
-# EMA was switched on): restored as None, then filled (spmd.loop.trainer.fill_missing).
+# EMA was switched on): restored as None, then filled (spmd.loop.recipe.fill_missing).
 ADDED_FIELDS = ("rng", "ema")
 
 # Purposes a step's key is split into (fold_in constants; fixed: changing them changes runs).

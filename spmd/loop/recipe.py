@@ -47,7 +47,7 @@ from spmd.engine.nonfinite import (
     saved_form,
 )
 from spmd.engine.runtime import Runtime
-from spmd.engine.state import ADDED_FIELDS, fill_ema, train_rng
+from spmd.engine.state import ADDED_FIELDS, TrainState, fill_ema, train_rng
 from spmd.errors import ConfigError
 from spmd.optim import OptimizerConfig, ScheduleConfig
 
@@ -247,3 +247,22 @@ def _params_only(rt: Runtime, checkpointer: Checkpointer, why: str) -> Restored 
                     "the %s optimizer state starts fresh, training goes on from step %d",
                     why, restored.step, rt.sections.optimizer.name, restored.step)
     return dataclasses.replace(restored, state=state)
+
+
+def fill_missing(rt: Runtime, restored: Restored) -> TrainState:
+    """The restored state, with fields a checkpoint written before they existed lacks (the
+    RNG key: `ADDED_FIELDS`) filled from the config, as a fresh run would have them; an EMA
+    the checkpoint lacks (saved before train.ema_decay was set) starts from its params."""
+    state = restored.state
+    if "rng" in restored.missing:
+        seed = rt.sections.train.seed
+        state = state.replace(rng=jax.device_put(train_rng(seed), rt.state.shardings.rng))
+        if jax.process_index() == 0:
+            log.info("the checkpoint of step %d holds no RNG key (written before the train "
+                     "state had one): set from train.seed=%d", restored.step, seed)
+    if "ema" in restored.missing and rt.state.shardings.ema is not None:
+        state = fill_ema(state, rt.state.shardings)
+        if jax.process_index() == 0:
+            log.info("the checkpoint of step %d holds no EMA of the parameters (saved without "
+                     "train.ema_decay): the EMA starts from its parameters", restored.step)
+    return state

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,43 +29,32 @@ import psutil
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from spmd.checkpoint import Checkpointer, Restored, create_checkpointer
-from spmd.comm import RankGroup, StopVote
+from spmd.checkpoint import Checkpointer, create_checkpointer
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog, publish_host
 from spmd.comm.job_failure import FailureWatch, announce
 from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
-from spmd.data.nan_probe import nonfinite_in_batches
 from spmd.data.run_inputs import check_run_inputs
 from spmd.engine.engine_config import EngineSections
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import CheckedRules, Runtime, build_runtime, check_rules
-from spmd.engine.state import TrainState, fill_ema, train_rng
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import (
-    HALT_FILE_NAME,
     LaunchEnv,
     PreemptionWatcher,
     bootstrap,
-    job_end_time,
     shutdown,
 )
 from spmd.loop.builtin_hooks import (
-    CheckpointHook,
-    EvalHook,
     MetricsHook,
-    NonfiniteHook,
-    PlotsHook,
-    PreemptionHook,
     StepClock,
 )
 from spmd.loop.early_stop import EarlyStop
 from spmd.loop.failure_report import exit_status, failure_line, log_to_files
+from spmd.loop.hook_chain import hook_chain
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
-from spmd.loop.profiler_hook import ProfilerHook, profiling
-from spmd.loop.recipe import keep_data_order, previous_recipe, restore_state
-from spmd.loop.stragglers import StragglerMonitor
+from spmd.loop.recipe import fill_missing, keep_data_order, previous_recipe, restore_state
 from spmd.rundir.console import phase_done
 from spmd.rundir.lease import RunLease
 from spmd.rundir.metrics import EventLog, drop_records_after, setup_logging
@@ -266,7 +254,8 @@ class Trainer:
         self._hang = StepWatchdog(env, cfg.launch.step_timeout_s,
                                   on_hang=lambda report: record_hang(run_dir, events, report))
         metrics = MetricsHook(rt, run_dir, events, is_main, clock, cfg)
-        hooks = self._hooks(rt, env, events, checkpointer, metrics)
+        hooks = hook_chain(self.cfg, rt, env, events, checkpointer, metrics,
+                           self._user_hooks)
         info = StepInfo(step=start, state=state, metrics={}, final=start >= cfg.train.steps)
         stopped: Stopped | None = None
         try:
@@ -382,72 +371,6 @@ class Trainer:
         events.emit("stopped", step=step, hook=hook, reason=request.reason,
                     exit_code=ExitCode.OK)
         return ExitCode.OK
-
-    def _hooks(self, rt: Runtime, env: LaunchEnv, events: EventLog, checkpointer: Checkpointer,
-               metrics: MetricsHook) -> list[Hook]:
-        """Built-in hooks around the user's: preemption first (it makes a step final), then
-        metrics, evaluation, the user's hooks, the checkpoint, the plots."""
-        cfg, run_dir, is_main = self.cfg, Path(self.cfg.run.dir), env.rank == 0
-        # What this rank sees (signals, the halt file, the deadline), agreed among all ranks.
-        watcher = PreemptionWatcher.install(halt_file=run_dir / HALT_FILE_NAME, env=env)
-        stop_vote = StopVote(watcher, RankGroup(env, cfg.launch.barrier_timeout_s,
-                                                "launch.barrier_timeout_s", "preempt"))
-        end_time = job_end_time(env, os.environ)
-        if end_time is not None:
-            stop_vote.deadline = end_time - cfg.launch.walltime_margin_s
-            log.info("allocation ends at %s; stopping %ss before", time.ctime(end_time),
-                     cfg.launch.walltime_margin_s)
-        preemption = PreemptionHook(stop_vote)
-        # Host-side step time per rank: from leaving one step's preemption vote (a collective,
-        # so all ranks leave it together) to arriving at the next step's hooks.
-        stragglers = StragglerMonitor(
-            RankGroup(env, cfg.launch.barrier_timeout_s, "launch.barrier_timeout_s",
-                      "stragglers") if env.size > 1 else None,
-            env.rank, socket.gethostname(), cfg.run.log_every, cfg.launch.straggler_factor,
-            events, is_main)
-        metrics.fields_of.append(stragglers.fields)
-        hooks = [Hook(stragglers.arrive, 1, "stragglers")]
-        if profiling(cfg.run.profile, env.rank):  # the trace stops right after an update
-            hooks.append(Hook(ProfilerHook(cfg.run.profile, run_dir, env.rank, events), 1,
-                              "profiler"))
-        # before any hook that reads metrics or saves: it stops a non-finite run first
-        nonfinite = NonfiniteHook(cfg.train, (cfg.run.log_every, cfg.checkpoint.every,
-                                              cfg.checkpoint.persistent_every), events,
-                                  data_probe=lambda lo, hi: nonfinite_in_batches(
-                                      rt.task.train_source(), range(lo, hi),
-                                      cfg.train.batch_size))
-        hooks += [Hook(preemption, 1, "preemption"),
-                  Hook(stragglers.depart, 1, "stragglers-depart"),
-                  Hook(nonfinite, 1, "nonfinite"), Hook(metrics, cfg.run.log_every, "metrics"),
-                  Hook(metrics.advance, 1, "progress")]
-        if rt.eval_step is not None and cfg.train.eval_every:
-            hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main, preemption),
-                              cfg.train.eval_every, "evaluation"))
-        hooks += self._user_hooks
-        hooks.append(Hook(CheckpointHook(checkpointer, preemption, nonfinite), 1, "checkpoint"))
-        if is_main and cfg.run.plots:
-            hooks.append(Hook(PlotsHook(run_dir, events, rt.task, preemption),
-                              max(cfg.train.steps, 1), "plots"))
-        return hooks
-
-
-def fill_missing(rt: Runtime, restored: Restored) -> TrainState:
-    """The restored state, with fields a checkpoint written before they existed lacks (the
-    RNG key: `ADDED_FIELDS`) filled from the config, as a fresh run would have them; an EMA
-    the checkpoint lacks (saved before train.ema_decay was set) starts from its params."""
-    state = restored.state
-    if "rng" in restored.missing:
-        seed = rt.sections.train.seed
-        state = state.replace(rng=jax.device_put(train_rng(seed), rt.state.shardings.rng))
-        if jax.process_index() == 0:
-            log.info("the checkpoint of step %d holds no RNG key (written before the train "
-                     "state had one): set from train.seed=%d", restored.step, seed)
-    if "ema" in restored.missing and rt.state.shardings.ema is not None:
-        state = fill_ema(state, rt.state.shardings)
-        if jax.process_index() == 0:
-            log.info("the checkpoint of step %d holds no EMA of the parameters (saved without "
-                     "train.ema_decay): the EMA starts from its parameters", restored.step)
-    return state
 
 
 OWN_BOUNDS = frozenset({"checkpoint", "profiler"})  # hooks the hang watchdog does not time
