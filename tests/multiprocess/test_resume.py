@@ -28,8 +28,10 @@ from tests.helpers.fault_injection import fault_env
 
 pytestmark = pytest.mark.slow
 
+# no plots at the end of a run (about 2 s of matplotlib per finished run; nothing here
+# looks at them)
 CKPT = ("train.steps=12", "checkpoint.every=3", "checkpoint.persistent_every=6",
-        "checkpoint.keep=2", "checkpoint.timeout_s=60")
+        "checkpoint.keep=2", "checkpoint.timeout_s=60", "run.plots=false")
 
 
 def final_blobs(run_dir: Path, step: int) -> dict[str, bytes]:
