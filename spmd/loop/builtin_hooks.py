@@ -336,7 +336,13 @@ class PlotsHook:
             return
         from spmd.rundir.plots import make_plots
 
-        files = make_plots(self.run_dir, self.task)
+        try:
+            files = make_plots(self.run_dir, self.task)
+        except Exception as e:   # a figure is never worth the last checkpoint, closed next
+            log.warning("plots in %s failed, training is unaffected: %s: %s (redraw them "
+                        "with `spmd plot %s`)", self.run_dir / "plots", type(e).__name__, e,
+                        self.run_dir)
+            return
         self.events.emit("plotted", files=[p.name for p in files])
 
 

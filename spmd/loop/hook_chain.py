@@ -5,10 +5,13 @@ Invariants
 - The order is: stragglers' arrival, the profiler (when run.profile asks), preemption (it
   makes a step final, so it comes before everything that saves or evaluates), stragglers'
   departure, the non-finite check (before anything that reads metrics or saves: it stops a
-  non-finite run first), metrics and progress, evaluation, the user's hooks, the checkpoint,
-  and on rank 0 the plots.
+  non-finite run first), metrics and progress, evaluation, the user's hooks, on rank 0 the
+  plots, and the checkpoint.
+- Hooks close in the same order: rank 0 draws the plots (from metrics.jsonl and the last
+  evaluation sample) while the last save is written in the background, and only then waits
+  for it (the checkpoint's close). A plot that fails is logged and never costs the save.
 - Every rank builds the same chain (the collectives among them run in the same order); only
-  the plots differ, and they run at the last step, after every collective.
+  the plots differ, and they hold no collective.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ def hook_chain(cfg: Config, rt: Runtime, env: LaunchEnv, events: EventLog,
         hooks.append(Hook(EvalHook(rt, run_dir, events, metrics, is_main, preemption),
                           cfg.train.eval_every, "evaluation"))
     hooks += user_hooks
-    hooks.append(Hook(CheckpointHook(checkpointer, preemption, nonfinite), 1, "checkpoint"))
-    if is_main and cfg.run.plots:
+    if is_main and cfg.run.plots:   # drawn at close, while the last save is written
         hooks.append(Hook(PlotsHook(run_dir, events, rt.task, preemption),
                           max(cfg.train.steps, 1), "plots"))
+    hooks.append(Hook(CheckpointHook(checkpointer, preemption, nonfinite), 1, "checkpoint"))
     return hooks
