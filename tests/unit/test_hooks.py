@@ -135,3 +135,21 @@ def test_the_preemption_hook_asks_for_a_preempted_stop_once_the_source_says_so()
     assert hook(StepInfo(step=1, state=None, metrics={})) is None and hook.stop is None
     stop = Stop("halt file found", preempted=True)
     assert hook(StepInfo(step=2, state=None, metrics={})) == stop == hook.stop
+
+
+def test_a_plot_that_fails_is_logged_and_the_last_save_still_commits(run_dir, caplog):
+    """The plots close before the checkpoint (they are drawn while the last save is written):
+    a figure that cannot be written must not cost that save."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "plots").write_text("a file where the plots directory goes")
+    config = mlp_config(run_dir, run={"plots": True}, checkpoint={"persistent_every": 6})
+    with caplog.at_level("WARNING", logger="spmd.loop.trainer"):
+        code = train(config)
+    assert code == ExitCode.OK
+    assert any("plots in" in r.getMessage() and "failed" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert not [e for e in events if e["event"] == "plotted"]
+    assert [e["step"] for e in events if e["event"] == "saved"
+            and e.get("tier") == "persistent"] == [6]
+    assert events[-1]["event"] == "finished"
