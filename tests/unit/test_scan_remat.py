@@ -5,6 +5,11 @@ same losses as the unrolled one under every preset on 8 devices; XLA attention m
 float64 reference; cuDNN on CPU is a config error naming `model.attention`; the chunked
 cross-entropy equals the plain one in value and gradient; the stacked parameters carry their
 `layers` axis in the sharding report and survive a checkpoint resume bit for bit.
+
+What each case covers, one compile per case: CASES runs every preset and every remat policy
+once (2 layers: the scan still runs several iterations); the gradient test compares each
+policy against one unrolled reference, computed once; the chunked-loss cases share one plain
+loss; the `spmd shardings` commands run in one child process (tests/helpers/cli_batch.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from spmd.models.attention import causal_attention, einsum_attention
 from spmd.models.losses import cross_entropy
 from spmd.models.scan import REMAT_POLICIES
 from spmd.models.transformer import TransformerLM
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.env import REPO, clean_env, run_spmd
 from tests.helpers.training import runtime_for, train_steps
 
@@ -37,16 +43,17 @@ TINY = dict(num_layers=3, d_model=32, num_heads=4, d_ff=64, vocab_size=64, seq_l
 
 def losses(strategy: str, *overrides: str, devices=None) -> list[float]:
     cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", f"train.steps={STEPS}",
-                               "model.num_layers=3", "model.attention=xla", *overrides])
+                               "model.num_layers=2", "model.attention=xla", *overrides])
     rt = runtime_for(cfg, build_mesh(cfg.mesh, devices or jax.devices()))
     assert rt.mesh.size == len(devices or jax.devices())
     return train_steps(rt, STEPS)[0]
 
 
-# Every preset once, every remat policy at least once; the chunked loss under sp and tp
-# (length and vocab sharded) and the plain one elsewhere.
-CASES = [("dp", "full", 0), ("fsdp", "dots", 0), ("tp", "dots_with_batch", 8),
-         ("fsdp_tp", "save_attention", 0), ("sp", "dots", 8), ("sp", "none", 0)]
+# Every preset once and every remat policy once, one compile each: the chunked loss under
+# sp and tp (length and vocab sharded), the plain one under dp, fsdp and fsdp_tp. (fsdp with
+# remat=dots trains and resumes in test_scanned_model_resumes_bit_identical.)
+CASES = [("dp", "full", 0), ("fsdp", "none", 0), ("tp", "dots_with_batch", 8),
+         ("fsdp_tp", "save_attention", 0), ("sp", "dots", 8)]
 
 
 @functools.cache
@@ -86,10 +93,16 @@ def _unstack(grads_scanned, grads_unrolled):
     return g
 
 
+@functools.cache
+def _unrolled_loss_and_grads(seed: int):
+    """The unrolled model's loss and gradients on tokens of `seed` (once per module)."""
+    tokens = jax.random.randint(jax.random.key(seed), (2, TINY["seq_len"] + 1), 0, 64)
+    return tokens, *_loss_and_grads(_model(scan_layers=False), tokens)
+
+
 @pytest.mark.parametrize("remat", list(REMAT_POLICIES))
 def test_every_remat_policy_gives_the_unrolled_gradients(remat):
-    tokens = jax.random.randint(jax.random.key(1), (2, TINY["seq_len"] + 1), 0, 64)
-    loss_u, grads_u = _loss_and_grads(_model(scan_layers=False), tokens)
+    tokens, loss_u, grads_u = _unrolled_loss_and_grads(1)
     loss_s, grads_s = jax.jit(lambda t: _loss_and_grads(_model(remat=remat), t))(tokens)
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
@@ -121,18 +134,35 @@ def test_cudnn_attention_on_cpu_is_a_config_error_naming_the_key():
     assert build_task(auto).build_model(nnx.Rngs(0)).layer(0).attn.implementation == "xla"
 
 
-def test_bad_remat_and_loss_chunk_name_their_keys(run_dir):
-    r = run_spmd("shardings", str(CONFIG), "model.remat=everything")
+@pytest.fixture(scope="module")
+def shardings():
+    """`spmd shardings` of the tests below, on 8 devices, in one child process
+    (tests/helpers/cli_batch.py) instead of one Python start each."""
+    env = clean_env(JAX_NUM_CPU_DEVICES="8", SPMD_MPI="0")
+    runs = {"remat": ("model.remat=everything",), "loss_chunk": ("model.loss_chunk=5",),
+            "json": ("mesh.strategy=fsdp_tp", "--json"), "text": ()}
+    return dict(zip(runs, run_batch([(env, ["shardings", str(CONFIG), *args])
+                                     for args in runs.values()])))
+
+
+def test_bad_remat_and_loss_chunk_name_their_keys(shardings):
+    r = shardings["remat"]
     assert r.returncode != 0 and "model.remat" in r.stderr, r.stderr
-    r = run_spmd("shardings", str(CONFIG), "model.loss_chunk=5")
+    r = shardings["loss_chunk"]
     assert r.returncode != 0 and "model.loss_chunk=5" in r.stderr, r.stderr
+
+
+@functools.cache
+def _plain_cross_entropy():
+    """The scanned model, its tokens, and the plain loss and gradients (once per module)."""
+    model = _model(scan_layers=True)
+    tokens = jax.random.randint(jax.random.key(2), (2, TINY["seq_len"] + 1), 0, 64)
+    return model, tokens, *jax.jit(lambda t: _loss_and_grads(model, t, 0))(tokens)
 
 
 @pytest.mark.parametrize("chunk", [4, 8])
 def test_chunked_cross_entropy_equals_the_plain_one(chunk):
-    model = _model(scan_layers=True)
-    tokens = jax.random.randint(jax.random.key(2), (2, TINY["seq_len"] + 1), 0, 64)
-    plain, g_plain = jax.jit(lambda t: _loss_and_grads(model, t, 0))(tokens)
+    model, tokens, plain, g_plain = _plain_cross_entropy()
     chunked, g_chunked = jax.jit(lambda t: _loss_and_grads(model, t, chunk))(tokens)
     np.testing.assert_allclose(chunked, plain, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
@@ -166,9 +196,8 @@ def test_chunked_loss_keeps_no_full_batch_float32_logits():
     assert chunked < plain - full_logits / 2, (plain, chunked)
 
 
-def test_shardings_report_shows_the_stacked_layers_axis():
-    r = run_spmd("shardings", str(CONFIG), "mesh.strategy=fsdp_tp", "--json",
-                 env=clean_env(JAX_NUM_CPU_DEVICES="8"))
+def test_shardings_report_shows_the_stacked_layers_axis(shardings):
+    r = shardings["json"]
     assert r.returncode == 0, r.stderr
     params = {p["path"]: p for p in json.loads(r.stdout)["params"]}
     up = params["blocks/mlp/up/kernel"]
@@ -177,7 +206,7 @@ def test_shardings_report_shows_the_stacked_layers_axis():
     assert up["spec"] == [None, "fsdp", "tensor"]
     assert params["blocks/attn/query"]["logical_axes"] == ["layers", "embed", "heads", "kv"]
     assert not any(path.startswith("blocks/0") for path in params)
-    text = run_spmd("shardings", str(CONFIG), env=clean_env(JAX_NUM_CPU_DEVICES="8")).stdout
+    text = shardings["text"].stdout
     assert "('layers', 'embed', 'mlp')" in text
 
 
