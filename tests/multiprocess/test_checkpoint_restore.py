@@ -15,8 +15,9 @@ from tests.helpers.checkpoint_worker import dump, dump_each, same_state, train
 
 pytestmark = pytest.mark.slow
 
+# no plots at the end of a run: about 2 s of matplotlib per finished run, looked at by nothing
 CKPT = ("train.steps=6", "checkpoint.every=3", "checkpoint.persistent_every=3",
-        "checkpoint.keep=2", "checkpoint.timeout_s=60")
+        "checkpoint.keep=2", "checkpoint.timeout_s=60", "run.plots=false")
 
 
 def flip(path: Path, offset: int = 0) -> None:
@@ -152,7 +153,7 @@ def test_restore_onto_another_mesh_and_process_count(tmp_path, saver, reader):
     (n, devices, strategy), (n2, devices2, strategy2) = saver, reader
     run_dir = tmp_path / "run"
     ck = ("train.steps=4", "checkpoint.every=4", "checkpoint.persistent_every=4",
-          "checkpoint.timeout_s=60")
+          "checkpoint.timeout_s=60", "run.plots=false")
     proc = train(n, run_dir, *ck, f"mesh.strategy={strategy}", devices=devices)
     assert proc.returncode == 0, proc.stderr[-6000:]
     same = dump(n, run_dir, tmp_path / "same.npz", *ck, f"mesh.strategy={strategy}",

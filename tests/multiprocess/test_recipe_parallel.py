@@ -41,7 +41,7 @@ def test_grad_accum_equals_one_batch_under_dp_fsdp_tp_on_two_ranks(tmp_path):
 def test_ema_of_a_2x4_fsdp_run_restores_onto_1x8_dp(tmp_path):
     run_dir = tmp_path / "run"
     ck = ("train.steps=4", "checkpoint.every=4", "checkpoint.persistent_every=4",
-          "checkpoint.timeout_s=60", "train.ema_decay=0.9")
+          "checkpoint.timeout_s=60", "train.ema_decay=0.9", "run.plots=false")
     proc = train(2, run_dir, *ck, "mesh.strategy=fsdp", devices=4)
     assert proc.returncode == 0, proc.stderr[-6000:]
     other = dump(1, run_dir, tmp_path / "dp.npz", *ck, "mesh.strategy=dp", devices=8)
