@@ -31,7 +31,9 @@ from tests.helpers.fault_injection import fault_env
 
 pytestmark = pytest.mark.slow
 
-LONG = ("train.steps=100000", "checkpoint.every=10", "checkpoint.keep=2", "run.log_every=10")
+# no plots at a run's end (about 2 s of matplotlib each, looked at by nothing)
+LONG = ("train.steps=100000", "checkpoint.every=10", "checkpoint.keep=2", "run.log_every=10",
+        "run.plots=false")
 
 
 def rank_pid(tag: str, rank: int) -> int:
