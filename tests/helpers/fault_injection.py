@@ -30,7 +30,7 @@ rank of each save):
     SPMD_TEST_RAISE=prepare:RANK           RANK's `Task.prepare` raises (wraps the task that
                                            `spmd.loop.trainer` builds)
     SPMD_TEST_RAISE=hook:RANK:STEP         a hook of the user's raises on RANK after update
-                                           STEP (appended to `Trainer._hooks`)
+                                           STEP (appended to the trainer's `hook_chain`)
 
 How they are switched on: `fault_env(stall="9:120")` returns the environment entries to add
 to a child's environment: the variable, and `tests/helpers/inject/` in front of PYTHONPATH.
@@ -225,18 +225,18 @@ def _patch_raise(module: ModuleType, where: str, rank: int, step: int) -> None:
         build.fault = RAISE  # type: ignore[attr-defined]
         module.build_task = build
         return
-    hooks_of = module.Trainer._hooks
+    chain_of = module.hook_chain
 
-    @functools.wraps(hooks_of)
-    def hooks(self: Any, *args: Any) -> list:
+    @functools.wraps(chain_of)
+    def chain(*args: Any) -> list:
         def user_hook(info: Any) -> None:
             if info.step == step and jax.process_index() == rank:
                 fail(f"a hook of the user's at step {step}")
 
-        return [*hooks_of(self, *args), module.Hook(user_hook, 1, "user")]
+        return [*chain_of(*args), module.Hook(user_hook, 1, "user")]
 
-    hooks.fault = RAISE  # type: ignore[attr-defined]
-    module.Trainer._hooks = hooks
+    chain.fault = RAISE  # type: ignore[attr-defined]
+    module.hook_chain = chain
 
 
 # ------------------------------------------------------------------ installing
