@@ -3,6 +3,11 @@
 Losses and updated parameters equal one device's; the stacked block parameters really live
 on `stage`; bad configurations are one-line errors naming their keys; the schedules keep
 what they promise (bubble formula, 1F1B's bounded stash, stage-to-stage collective-permutes).
+
+Cases, one compile each: GPipe and 1F1B on pp stage=4 x data=2, 1F1B on pp stage=2 x data=4
+(M = 8) and on pp_fsdp (SCHEDULES); circular GPipe (repeats=2) on pp with M = 2 S and on
+pp_fsdp with M = S (CIRCULAR). Every 4-layer case shares one one-device reference.
+The `spmd` commands (bad configs, the shardings report) run in one child process.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
 from spmd.sharding.one_f_one_b import tick_phase
 from spmd.sharding.pipeline import bubble_fraction
-from tests.helpers.env import REPO, clean_env, run_spmd
+from tests.helpers.cli_batch import run_batch
+from tests.helpers.env import REPO, clean_env
 from tests.helpers.training import runtime_for, train_steps
 
 pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'not slow'
@@ -26,7 +32,6 @@ pytestmark = pytest.mark.slow   # trains or compiles: the full suite, not -m 'no
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 STEPS = 4
 LAYERS = ("model.num_layers=4", "model.attention=xla", f"train.steps={STEPS}")
-EIGHT = clean_env(JAX_NUM_CPU_DEVICES="8")
 
 
 def make(strategy: str, devices, *overrides: str):
@@ -88,9 +93,10 @@ def test_pipeline_matches_one_device(case, schedule):
 
 
 CIRCULAR = {
-    # 8 layers in 8 chunks: stage k runs layers k and k + 4
-    "pp-stage4-data2-m4-r2": ("pp", "model.num_layers=8", "mesh.axes.stage=4",
-                              "mesh.axes.data=2", "train.microbatches=4"),
+    # 4 layers in 4 chunks: stage k runs layers k and k + 2; M = 2 S microbatches (pp_fsdp
+    # below runs M = S). The 4 layers share the one-device reference of the tests above.
+    "pp-stage2-data4-m4-r2": ("pp", "mesh.axes.stage=2", "mesh.axes.data=4",
+                              "train.microbatches=4"),
     "pp_fsdp-stage2-fsdp4-m2-r2": ("pp_fsdp", "mesh.axes.stage=2", "mesh.axes.fsdp=4",
                                    "train.microbatches=2"),
 }
@@ -145,9 +151,33 @@ def test_pipeline_composes_with_tensor():
         P("stage", None, "tensor")
 
 
-def test_shardings_json_puts_stacked_blocks_on_stage():
-    r = run_spmd("shardings", str(CONFIG), "mesh.strategy=pp", "mesh.axes.stage=4",
-                 "mesh.axes.data=2", "model.num_layers=4", "--json", env=EIGHT)
+PP = ("mesh.strategy=pp", "mesh.axes.stage=2", "mesh.axes.data=4")
+COMMANDS = {   # name -> spmd arguments ({run}: a run directory of its own)
+    "json": ("shardings", str(CONFIG), "mesh.strategy=pp", "mesh.axes.stage=4",
+             "mesh.axes.data=2", "model.num_layers=4", "--json"),
+    **{f"layers-{command}": (command, str(CONFIG), "mesh.strategy=pp", "mesh.axes.stage=4",
+                             "mesh.axes.data=2", "model.num_layers=6", "run.dir={run}")
+       for command in ("train", "shardings")},
+    "batch": ("train", str(CONFIG), *PP, "model.num_layers=4", "train.microbatches=8",
+              "train.batch_size=16", "run.dir={run}"),
+    "unstacked-transformer": ("train", str(CONFIG), *PP, "model.scan_layers=false",
+                              "model.num_layers=4", "run.dir={run}"),
+    "mlp": ("train", str(REPO / "configs" / "mlp_tiny.yaml"), *PP, "run.dir={run}"),
+}
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> dict:
+    """The `spmd` commands of the tests below on 8 devices, in one child process
+    (tests/helpers/cli_batch.py) instead of one Python start each."""
+    env = clean_env(JAX_NUM_CPU_DEVICES="8", SPMD_MPI="0")
+    tmp = tmp_path_factory.mktemp("pipeline_cli")
+    cases = [(env, [a.format(run=tmp / name) for a in args]) for name, args in COMMANDS.items()]
+    return dict(zip(COMMANDS, run_batch(cases)))
+
+
+def test_shardings_json_puts_stacked_blocks_on_stage(cli):
+    r = cli["json"]
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     rows = report["params"] if isinstance(report, dict) else report
@@ -168,29 +198,20 @@ def _assert_one_line_error(r, *needles: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["train", "shardings"])
-def test_layers_not_divisible_by_stages(command, run_dir):
-    r = run_spmd(command, str(CONFIG), "mesh.strategy=pp", "mesh.axes.stage=4",
-                 "mesh.axes.data=2", "model.num_layers=6", f"run.dir={run_dir}", env=EIGHT)
-    _assert_one_line_error(r, "model.num_layers=6", "mesh.axes.stage=4")
+def test_layers_not_divisible_by_stages(command, cli):
+    _assert_one_line_error(cli[f"layers-{command}"], "model.num_layers=6", "mesh.axes.stage=4")
 
 
-def test_batch_not_divisible_by_microbatches_times_data(run_dir):
-    r = run_spmd("train", str(CONFIG), "mesh.strategy=pp", "mesh.axes.stage=2",
-                 "mesh.axes.data=4", "model.num_layers=4", "train.microbatches=8",
-                 "train.batch_size=16", f"run.dir={run_dir}", env=EIGHT)
-    _assert_one_line_error(r, "train.batch_size=16", "train.microbatches=8", "data=4")
+def test_batch_not_divisible_by_microbatches_times_data(cli):
+    _assert_one_line_error(cli["batch"], "train.batch_size=16", "train.microbatches=8",
+                           "data=4")
 
 
-@pytest.mark.parametrize("overrides", [
-    (str(CONFIG), "model.scan_layers=false", "model.num_layers=4"),
-    (str(REPO / "configs" / "mlp_tiny.yaml"),),
-], ids=["unstacked-transformer", "mlp"])
-def test_model_without_stacked_layers_under_pp(overrides, run_dir):
-    config, *rest = overrides
-    r = run_spmd("train", config, "mesh.strategy=pp", "mesh.axes.stage=2", "mesh.axes.data=4",
-                 *rest, f"run.dir={run_dir}", env=EIGHT)
+@pytest.mark.parametrize("model", ["unstacked-transformer", "mlp"])
+def test_model_without_stacked_layers_under_pp(model, cli):
+    r = cli[model]
     _assert_one_line_error(r, "mesh.strategy=pp", "'layers'", "mesh.axes.stage=2")
-    if "scan_layers" in " ".join(rest):
+    if model == "unstacked-transformer":
         assert "model.scan_layers=true" in r.stderr
 
 
