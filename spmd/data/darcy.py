@@ -143,7 +143,7 @@ class DarcySampler:
 
 
 def make_darcy_dataset(path: Path, *, grid: int, num_train: int, num_test: int, seed: int,
-                       solver: Mapping[str, Any], workers: int = 1,
+                       solver: Mapping[str, Any], workers: int = 1, in_threads: bool = False,
                        compression: str | None = None, progress=None) -> FieldsInfo:
     """Solve `num_train + num_test` random Darcy problems and write them to `path` atomically."""
     if grid < 4:
@@ -153,4 +153,5 @@ def make_darcy_dataset(path: Path, *, grid: int, num_train: int, num_test: int, 
              **solver_attrs(SOLVER_NAME, params.as_dict())}
     return write_fields(path, DarcySampler(seed, grid, params), grid,
                         {"train": num_train, "test": num_test}, attrs, workers=workers,
+                        in_threads=in_threads,
                         compression=compression, progress=progress)

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,12 +77,28 @@ def _solve_chunk(job: tuple[SampleFn, int, int, int]) -> tuple[np.ndarray, np.nd
     return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
 
 
+def available_cpus(limit: int = 16) -> int:
+    """The CPUs this process may run on (its affinity: a scheduler's --cpus-per-task), at
+    most `limit`: how many solver processes a rank that makes a dataset starts while the
+    other ranks wait for it."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:      # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, limit))
+
+
 def write_fields(path: Path, sample_fn: SampleFn, grid: int, counts: dict[str, int],
-                 attrs: dict[str, Any], *, workers: int = 1, compression: str | None = None,
+                 attrs: dict[str, Any], *, workers: int = 1, in_threads: bool = False,
+                 compression: str | None = None,
                  progress: Callable[[int, int], None] | None = None) -> FieldsInfo:
     """Generate every sample with `sample_fn` and write the file atomically (tmp + rename).
 
     `sample_fn` must be picklable when `workers > 1` (a module-level function or partial).
+    `in_threads`: the workers are threads of this process, not processes (a rank whose JAX
+    runtime and coordination client already run threads must not fork; the sparse solves
+    release the GIL). The file is the same for any number of workers, threads or processes
+    (each sample has its own generator; the chunks are written in order).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +106,9 @@ def write_fields(path: Path, sample_fn: SampleFn, grid: int, counts: dict[str, i
     total, done = sum(counts.values()), 0
     jobs = [(sample_fn, *c) for sid, split in enumerate(SPLITS)
             for c in _chunks(sid, counts[split], 16)]
-    pool = ProcessPoolExecutor(workers) if workers > 1 else None
+    pool: Executor | None = None
+    if workers > 1:
+        pool = ThreadPoolExecutor(workers) if in_threads else ProcessPoolExecutor(workers)
     try:
         results = pool.map(_solve_chunk, jobs) if pool else map(_solve_chunk, jobs)
         with h5py.File(tmp, "w") as f:

@@ -27,6 +27,7 @@ from spmd.data.field_files import (
     DatasetError,
     FieldsInfo,
     FieldStats,
+    available_cpus,
     check_fields,
     describe,
     field_stats,
@@ -62,8 +63,10 @@ def dataset_path(cfg) -> Path:
     return path
 
 
-def make_dataset(cfg, *, workers: int = 1, compression: str | None = None) -> FieldsInfo:
-    """`spmd data make`: solve the PDE for the config's sizes and write data.path atomically."""
+def make_dataset(cfg, *, workers: int = 1, in_threads: bool = False,
+                 compression: str | None = None) -> FieldsInfo:
+    """`spmd data make`: solve the PDE for the config's sizes and write data.path atomically
+    (`workers` solver processes, or threads `in_threads`: inside a rank, spmd.data.field_files)."""
     path = dataset_path(cfg)
     total = cfg.data.num_train + cfg.data.num_test
     log.info("making %s: %d Darcy problems on a %dx%d grid (seed %d)", path, total,
@@ -78,7 +81,8 @@ def make_dataset(cfg, *, workers: int = 1, compression: str | None = None) -> Fi
 
     info = make_darcy_dataset(
         path, grid=cfg.model.grid, num_train=cfg.data.num_train, num_test=cfg.data.num_test,
-        seed=cfg.data.seed, solver=cfg.data.solver, workers=workers, compression=compression,
+        seed=cfg.data.seed, solver=cfg.data.solver, workers=workers, in_threads=in_threads,
+        compression=compression,
         progress=progress,
     )
     log.info("wrote %s in %.1fs", describe(info), time.perf_counter() - started)
@@ -158,8 +162,10 @@ class OperatorTask(Task[FnoConfig]):
         """Rank 0 makes a missing dataset; every rank that sees the file validates it."""
         path = dataset_path(self.cfg)
         if is_coordinator and not path.exists():
-            log.info("data.path %s is missing: making it now (as `spmd data make` would)", path)
-            make_dataset(self.cfg)
+            workers = available_cpus()   # the other ranks wait: use this rank's CPUs
+            log.info("data.path %s is missing: making it now with %d solver thread(s) (as "
+                     "`spmd data make --workers %d` would)", path, workers, workers)
+            make_dataset(self.cfg, workers=workers, in_threads=True)
         if path.exists():
             _ = self._info  # other ranks validate after the barrier, when sources are made
 

@@ -90,6 +90,22 @@ def test_file_layout_and_attributes(tmp_path):
     assert inspect_fields(path).counts == {"train": 20, "test": 6}
 
 
+def test_solver_threads_and_processes_write_the_serial_file(tmp_path):
+    """A rank that makes the data solves in threads (it must not fork), `spmd data make
+    --workers` in processes: the bytes are the serial run's either way."""
+    kw = dict(grid=16, num_train=40, num_test=8, seed=5, solver={})
+    made = {name: make_darcy_dataset(tmp_path / f"{name}.h5", workers=workers,
+                                     in_threads=threads, **kw).path
+            for name, workers, threads in (("serial", 1, False), ("threads", 3, True),
+                                           ("processes", 2, False))}
+    with h5py.File(made["serial"]) as want:
+        for name in ("threads", "processes"):
+            with h5py.File(made[name]) as got:
+                for key in ("train/a", "train/u", "test/a", "test/u"):
+                    assert got[key][:].tobytes() == want[key][:].tobytes(), (name, key)
+                assert dict(got["train"].attrs) == dict(want["train"].attrs), name
+
+
 def test_failed_write_leaves_nothing(tmp_path):
     def failing(split, index):
         if index == 20:
