@@ -1,4 +1,9 @@
-"""The benchmarks run in CI in their short modes: they must work, never fail on timing."""
+"""The benchmarks run in CI in their short modes: they must work, never fail on timing.
+
+step_overhead's three extra cases (stragglers, recipe, tensorboard) run in one process
+(`--short --cases stragglers,recipe,tensorboard`, the `step_overhead_cases` fixture) rather
+than one each: each test reads its own case's result.
+"""
 
 from __future__ import annotations
 
@@ -92,11 +97,22 @@ def test_pipeline_bubble_short_reports_the_model_and_1f1b_memory():
     assert ofob[1] - ofob[0] < gp[1] - gp[0]
 
 
-def test_step_overhead_stragglers_short_measures_monitor_and_finite_checks_against_off():
+@pytest.fixture(scope="module")
+def step_overhead_cases():
+    """step_overhead --short with the stragglers, recipe and tensorboard cases, one process:
+    (process, case name -> its result)."""
+    proc, record = bench("step_overhead.py", "--short", "--cases", "stragglers,recipe,tensorboard")
+    assert proc.returncode == 0 and record is not None, proc.stdout + proc.stderr
+    cases = {r["case"]: r for r in record["results"]}
+    assert len(cases) == len(record["results"]) == 3, record["results"]
+    return proc, cases
+
+
+def test_step_overhead_stragglers_short_measures_monitor_and_finite_checks_against_off(
+        step_overhead_cases):
     """The straggler gather + the non-finite checks against both off, in one process."""
-    proc, record = bench("step_overhead.py", "--short", "--cases", "stragglers")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (r,) = record["results"]
+    proc, cases = step_overhead_cases
+    r = cases["stragglers"]
     assert r["case"] == "stragglers" and r["verdict"] is None and r["devices"] == 1
     assert r["is_finite_ops"]["on"] > r["is_finite_ops"]["off"]   # "off" lacks the checks
     assert r["on_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
@@ -104,11 +120,11 @@ def test_step_overhead_stragglers_short_measures_monitor_and_finite_checks_again
     assert "straggler monitor + finite checks" in proc.stdout
 
 
-def test_step_overhead_recipe_short_times_spmd_against_the_hand_written_recipe():
+def test_step_overhead_recipe_short_times_spmd_against_the_hand_written_recipe(
+        step_overhead_cases):
     """grad_accum + EMA + clipping: spmd's step against the same recipe in plain optax."""
-    proc, record = bench("step_overhead.py", "--short", "--cases", "recipe")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (r,) = record["results"]
+    proc, cases = step_overhead_cases
+    r = cases["recipe"]
     assert r["case"] == "recipe" and r["verdict"] is None and r["devices"] == 1
     assert r["recipe"]["grad_accum"] == 4 and r["recipe"]["ema_decay"] == 0.999
     assert r["spmd_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
@@ -116,11 +132,10 @@ def test_step_overhead_recipe_short_times_spmd_against_the_hand_written_recipe()
     assert "recipe (grad_accum=4" in proc.stdout
 
 
-def test_step_overhead_tensorboard_short_measures_the_tracker_against_off():
+def test_step_overhead_tensorboard_short_measures_the_tracker_against_off(step_overhead_cases):
     """spmd's step + metrics hook with run.trackers=[tensorboard] against trackers off."""
-    proc, record = bench("step_overhead.py", "--short", "--cases", "tensorboard")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (r,) = record["results"]
+    proc, cases = step_overhead_cases
+    r = cases["tensorboard"]
     assert r["case"] == "tensorboard" and r["verdict"] is None and r["devices"] == 1
     assert r["tensorboard_ms"]["median"] > 0 and r["off_ms"]["median"] > 0
     assert r["paired_ratio"]["median"] > 0 and len(r["paired_ratio_ci95"]) == 2
