@@ -1,4 +1,9 @@
-"""`spmd plan`: ahead-of-time memory/FLOPs/collectives, checked against a real run."""
+"""`spmd plan`: ahead-of-time memory/FLOPs/collectives, checked against a real run.
+
+The `spmd plan --devices 8` commands on the CPU backend run in one child process (the
+`plans_on_8` fixture, tests/helpers/cli_batch.py); other device counts, and the plan that
+looks for a GPU itself, each need a process of their own.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from spmd.aot.plan import collectives_from_hlo, make_plan
 from spmd.aot.topologies import gpu_target_config
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.env import REPO, clean_env, run_spmd
 from tests.helpers.training import runtime_for
 
@@ -126,9 +132,20 @@ def test_plan_many_devices(devices, overrides):
     assert "fits" in proc.stdout and "all-reduce" in proc.stdout
 
 
-def test_plan_that_does_not_fit_exits_nonzero_with_the_numbers():
+@pytest.fixture(scope="module")
+def plans_on_8():
+    """The `spmd plan --devices 8` commands below (CPU backend) in one child process
+    (tests/helpers/cli_batch.py) instead of one Python start each: name -> result."""
     big = ["model.d_model=8192", "model.d_ff=32768", "model.num_heads=64"]
-    proc = run_spmd("plan", str(CONFIG), "--devices", "8", "--system", "summit", "--json", *big)
+    runs = {"summit": ("--system", "summit", "--json", *big), "nosuch": ("--system", "nosuch"),
+            "text": ()}
+    env = clean_env(SPMD_MPI="0")
+    return dict(zip(runs, run_batch([(env, ["plan", str(CONFIG), "--devices", "8", *args])
+                                     for args in runs.values()])))
+
+
+def test_plan_that_does_not_fit_exits_nonzero_with_the_numbers(plans_on_8):
+    proc = plans_on_8["summit"]
     assert proc.returncode == 3, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert not report["fits"] and report["available_bytes"] == int(16 * 2**30 * 0.9)
@@ -137,8 +154,8 @@ def test_plan_that_does_not_fit_exits_nonzero_with_the_numbers():
     assert "GiB available" in proc.stderr
 
 
-def test_plan_unknown_system_is_a_user_error():
-    proc = run_spmd("plan", str(CONFIG), "--devices", "8", "--system", "nosuch")
+def test_plan_unknown_system_is_a_user_error(plans_on_8):
+    proc = plans_on_8["nosuch"]
     assert proc.returncode == 2
     assert "unknown system 'nosuch'" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -172,7 +189,7 @@ def test_collectives_from_hlo_counts_and_sizes():
     assert ops["all-to-all"].bytes == 2 * 64 and ops["all-to-all"].group_sizes == [8]
 
 
-def test_plan_for_an_nvidia_system_falls_back_to_the_cpu_compiler_without_a_gpu():
+def test_plan_for_an_nvidia_system_falls_back_to_the_cpu_compiler_without_a_gpu(plans_on_8):
     """No GPU here: the GPU-topology path is skipped and the plan says the CPU compiled it."""
     env = clean_env()
     env.pop("JAX_PLATFORMS")          # let plan_devices look for a GPU itself
@@ -182,7 +199,7 @@ def test_plan_for_an_nvidia_system_falls_back_to_the_cpu_compiler_without_a_gpu(
     report = json.loads(proc.stdout)
     assert report["compiler"] == "cpu" and report["num_devices"] == 8
     assert "CPU stand-in devices (no NVIDIA GPU visible here)" in report["compiler_note"]
-    text = run_spmd("plan", str(CONFIG), "--devices", "8").stdout
+    text = plans_on_8["text"].stdout
     assert "compiler: cpu (8 CPU stand-in devices (no NVIDIA --system profile))" in text
     assert "cpu compiler: activations, gradients, scratch" in text
 
