@@ -27,12 +27,11 @@ from types import SimpleNamespace
 
 def run_case(env: dict[str, str], args: list[str]) -> dict:
     """`spmd ARGS` in this process with os.environ replaced by `env`."""
-    from spmd.cli.main import main
-
     if env.get("SPMD_MPI") != "0":
         raise ValueError("cli_batch cases need SPMD_MPI=0 (mpi.world() is cached)")
     os.environ.clear()
     os.environ.update(env)
+    from spmd.cli.main import main  # first import (and jax's) under the first case's env
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

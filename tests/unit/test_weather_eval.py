@@ -25,6 +25,7 @@ import json
 import numpy as np
 import pytest
 
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.env import REPO, clean_env, run_spmd
 
 xr = pytest.importorskip("xarray")
@@ -55,8 +56,10 @@ def flagship(tmp_path_factory):
     env = clean_env(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO))
     keys = overrides(data, run)
     out = {"data": data, "run": run}
-    out["info"] = run_spmd("data", "info", str(FLAGSHIP), *keys, env=env, cwd=REPO)
-    out["stats"] = run_spmd("data", "stats", str(FLAGSHIP), *keys, "--json", env=env, cwd=REPO)
+    # data info and data stats in one child process (tests/helpers/cli_batch.py)
+    out["info"], out["stats"] = run_batch([
+        ({**env, "SPMD_MPI": "0"}, ["data", "info", str(FLAGSHIP), *keys]),
+        ({**env, "SPMD_MPI": "0"}, ["data", "stats", str(FLAGSHIP), *keys, "--json"])])
     out["train"] = run_spmd("run", "-n", "2", str(FLAGSHIP), *keys, env=env, cwd=REPO,
                             timeout=400)
     out["eval"] = (run_spmd("eval", str(run), "--json", env=env, cwd=REPO, timeout=300)
