@@ -35,8 +35,10 @@ FLAGSHIP = REPO / "configs" / "weather_era5.yaml"
 
 
 def overrides(data, run) -> list[str]:
-    """The flagship config on the fixture: its two years, a tiny FNO, a few steps."""
+    """The flagship config on the fixture: its two years, a tiny FNO, a few steps; no plots
+    (nothing here looks at them; test_weather_metrics checks lat_rmse.png)."""
     return [f"data.path={data}", f"run.dir={run}", "run.log_every=1", "run.progress=false",
+            "run.plots=false",
             "data.splits.train.start=2000-01-01", "data.splits.train.end=2000-12-31",
             "data.splits.test.start=2001-01-01", "data.splits.test.end=2001-12-31",
             f"data.eval_batches={EVAL_BATCHES}", f"train.steps={STEPS}",
