@@ -108,15 +108,24 @@ def can_exclude(scheduler: str) -> bool:
 
 def launch_argv(scheduler: str, template: str, *, nodes: int, ranks_per_node: int,
                 hosts: Sequence[str] = (), exclude: Sequence[str] = (),
-                environ: Mapping[str, str] | None = None) -> list[str]:
+                environ: Mapping[str, str] | None = None, relaunch: bool = False) -> list[str]:
     """The launch line of a try: `template` (the profile's launcher with {nodes} and {ranks}
     left open; $VARIABLES expanded from `environ`) on `nodes` nodes, leaving out `exclude`
-    (slurm, flux) or on exactly `hosts` (pbs: mpiexec --hosts)."""
+    (slurm, flux) or on exactly `hosts` (pbs: mpiexec --hosts).
+
+    `relaunch` (a try after the first), Slurm: `srun --overlap`. The step of a try that had
+    a task on a node that died stays RUNNING in slurmctld (its CPUs on the surviving nodes
+    held) although every task of it has ended, since the dead node's slurmstepd never
+    reports the step complete; without --overlap the next step waits for those CPUs forever
+    ("step creation temporarily disabled ... Requested nodes are busy"; seen with Slurm
+    22.05 on the namespace cluster of tests/multinode)."""
     env = os.environ if environ is None else environ
     text = template.format(nodes=nodes, ranks=nodes * ranks_per_node)
     argv = [_expand(w, env) for w in shlex.split(text)]
     if not argv:
         raise ValueError("empty launcher template")
+    if scheduler == "slurm" and relaunch and "--overlap" not in argv:
+        argv.append("--overlap")
     extra: list[str] = []
     if scheduler == "slurm" and exclude:
         extra = [f"--exclude={','.join(exclude)}"]

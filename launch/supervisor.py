@@ -55,9 +55,10 @@ FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 LEASE_NAME = "lease.json"     # spmd.rundir.lease's file (this layer may not import it)
 HUNG_NAME = "HUNG"            # spmd.comm.hang_watchdog's report of a hang
 GRACE_S = 10.0   # a rank died by a signal: the others may end on their own this long
-POLL_S = 15.0    # between two looks at the scheduler's node states during a try
+POLL_S = 5.0     # between two looks at the scheduler's node states during a try
 READ_S = 2.0     # between two reads of the ranks' new records during a try
 ENDING_S = 10.0  # a failure's ranks end within this (spmd.comm.job_failure's waits)
+DOWN_WAIT_S = 5.0  # srun's abort of a try with a host down: the live ranks end within this
 
 
 class _Follow:
@@ -175,7 +176,8 @@ class Supervisor:
                 if down:
                     say(f"{', '.join(down)} of this try is down for the scheduler: ending the "
                         "try")
-                    aborted = self._abort(proc, tail)
+                    # the launcher waits in vain for that host's tasks: a short wait
+                    aborted = self._abort(proc, tail, wait_s=DOWN_WAIT_S)
                     continue
             if announced_at is None and now >= next_read:
                 next_read = now + READ_S
@@ -191,9 +193,10 @@ class Supervisor:
                     "ending the try")
                 aborted = self._abort(proc, tail)
 
-    def _abort(self, proc: subprocess.Popen, tail: deque[str]) -> bool:
+    def _abort(self, proc: subprocess.Popen, tail: deque[str], wait_s: float = 10.0) -> bool:
         """End a broken try: srun aborts its step on two SIGINTs within a second (SIGKILL to
-        every task); other launchers, and an srun still there 10 s later, get SIGKILL with
+        every task); other launchers, and an srun still there `wait_s` later (it waits for
+        the tasks of a node that is down until slurmctld gives up on it), get SIGKILL with
         their process group. What the launcher reported until now is kept: the deaths that
         follow are ours."""
         self.before_abort = "".join(tail)
@@ -205,7 +208,7 @@ class Supervisor:
                     return True
                 time.sleep(0.2)
             try:
-                proc.wait(timeout=10.0)
+                proc.wait(timeout=wait_s)
                 return True
             except subprocess.TimeoutExpired:
                 pass
@@ -252,7 +255,7 @@ class Supervisor:
             argv = node_state.launch_argv(
                 self.scheduler, self.launcher, nodes=state.nodes,
                 ranks_per_node=plan.ranks_per_node, hosts=hosts,
-                exclude=state.excluded) + self.command
+                exclude=state.excluded, relaunch=attempt > 0) + self.command
             started = time.time()
             self._record({"event": "launch", "time": started, "attempt": attempt,
                           "nodes": state.nodes, "ranks": state.nodes * plan.ranks_per_node,

@@ -262,7 +262,7 @@ class NetnsCluster(SlurmCluster):
 
     def sbatch(self, script: str | Path, *args: str, timeout: float = 60.0) -> str:
         """Submit `script` (its text, or a path) with extra sbatch `args`; the job id."""
-        if isinstance(script, str) and not Path(script).is_file():
+        if isinstance(script, str) and ("\n" in script or not Path(script).is_file()):
             path = self.root / f"job-{time.time_ns()}.sh"
             path.write_text(script)
             script = path

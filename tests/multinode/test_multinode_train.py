@@ -10,10 +10,14 @@ Jobs (all tiny, sequential, one shared cluster):
 - `uninterrupted`: the transformer, 6 steps, saves at 3 and 6; before training, `spmd doctor`
   on every rank; after it, `spmd ckpt ls` on every node.
 - `fno`: the FNO on a 16x16 Darcy set, 4 steps.
-- `killed` + `resumed`: the transformer again; the save of step 6 is held in flight
-  (SPMD_CKPT_TEST_STALL) while node3 is killed (every process by pid, its slurmd, its
-  /local); the same run then resumes on node1, node2, node4 and node5 from step 3, from the
-  partner copies held on the survivors, and must match `uninterrupted` bit for bit.
+- `killed`: the transformer again, in ONE job on 5 nodes (4 + one spare, `--no-kill`) whose
+  script is the one `spmd jobscript --spare-nodes 1` renders: the ranks run under
+  spmd.launch.supervisor. The save of step 6 is held in flight (SPMD_CKPT_TEST_STALL) while
+  node3 is killed (every process by pid, its slurmd, its /local); the supervisor ends the
+  try, leaves node3 out and starts the ranks again on node1, node2, node4 and node5 in the
+  same job; they restore step 3 from the copies held on the survivors (node3's ranks from
+  their partner copies), train to the end and must match `uninterrupted` bit for bit, with
+  the first resumed step within 60 s of the kill and the recovery in `spmd report`.
 References for "the same run on one node": the same config in the test process, one
 process
 with 8 CPU devices (tests.helpers.training.config_losses).
@@ -35,7 +39,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.env import REPO, XLA_CACHE
-from tests.helpers.fault_injection import fault_env
+from tests.helpers.fault_injection import STALL, fault_env
 from tests.helpers.fno import make_tiny_dataset, tiny_config
 from tests.helpers.netns_cluster import NetnsCluster, netns_cluster  # noqa: F401
 
@@ -205,42 +209,117 @@ def test_four_nodes_train_the_fno_as_one_node_does(cluster, tmp_path_factory):
     np.testing.assert_allclose([got[s] for s in sorted(got)], want, rtol=1e-6)
 
 
-def test_killed_node_restores_from_partner_copies_on_survivors(cluster, uninterrupted,
-                                                               tmp_path_factory):
+def recovery_script(run_dir: Path, *overrides: str, **env: str) -> str:
+    """The job script `spmd jobscript --spare-nodes 1` renders for Slurm (4 nodes to train on,
+    one spare; `--no-kill`; the ranks under spmd.launch.supervisor), with two adaptations to
+    this test machine: the job_env() exports (CPU JAX, MPICH over OFI) as --env, and the
+    fault env's stall (the step-6 save held in flight) switched off in the relaunched try
+    (SPMD_RECOVERY_ATTEMPT > 0), which would otherwise hold that save too."""
+    import subprocess
+
+    exports = [f"{k}={v}" for k, v in (
+        {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1",
+         "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", **XLA_CACHE, **env}).items()]
+    r = subprocess.run([sys.executable, "-m", "spmd.cli", "jobscript", str(TRANSFORMER),
+                        "--system", "slurm", "--nodes", str(len(NODES)), "--spare-nodes", "1",
+                        "--ranks-per-node", str(RANKS_PER_NODE), "--time", "10",
+                        "--check", "none", *(a for e in exports for a in ("--env", e)),
+                        f"run.dir={run_dir}", *overrides],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    script = r.stdout
+    assert "#SBATCH --no-kill" in script and "#SBATCH --nodes=5" in script, script
+    rank_cmd = f"  {sys.executable} -m spmd.cli train "
+    assert script.count(rank_cmd) == 1 and "-m spmd.launch.supervisor" in script, script
+    only_try0 = ("  /bin/bash -c '[ \"$SPMD_RECOVERY_ATTEMPT\" = 0 ] || unset "
+                 f"{STALL}; exec \"$@\"' stall-in-try-0")
+    return script.replace(rank_cmd, f"{only_try0} {rank_cmd.strip()} ")
+
+
+def test_killed_node_recovers_on_the_spare_inside_the_job(cluster, uninterrupted,
+                                                          tmp_path_factory):
+    """One job on 5 nodes (one spare, --no-kill): node3 dies while the step-6 save is in
+    flight; the supervisor relaunches the ranks on node1, 2, 4, 5 in the same job, they
+    restore step 3 from the copies on the survivors and train to the end as `uninterrupted`."""
+    try:
+        _killed_node_recovers(cluster, uninterrupted, tmp_path_factory)
+    finally:
+        cluster.revive_node("node3")
+
+
+def _killed_node_recovers(cluster: NetnsCluster, uninterrupted: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> None:
     run_dir = tmp_path_factory.mktemp("mn_kill") / "killed"
+    run_dir.mkdir()
     stall = fault_env(stall=f"{STEPS}:600")
-    killed = submit(cluster, train_script(TRANSFORMER, run_dir, *TRAIN_T,
-                                          "checkpoint.local_dir=/local/kill", **stall),
-                    NODES, "killed", run_dir)
+    script = recovery_script(run_dir, *TRAIN_T, "checkpoint.local_dir=/local/kill", **stall)
+    all_nodes = [*NODES, "node5"]
+    job = cluster.sbatch(script, f"--nodelist={','.join(all_nodes)}",
+                         "--job-name=killed", f"--output={run_dir}/slurm-killed-%j.out")
+    log = run_dir / f"slurm-killed-{job}.out"
+    describe = lambda: cluster.describe(job) + "\n" + (  # noqa: E731
+        log.read_text(errors="replace") if log.exists() else "")
     try:
         in_flight = [cluster.local(n) / "kill" / str(STEPS) / f"rank{r:05d}.tmp" / "index.json"
                      for r, n in enumerate(n for n in NODES for _ in range(RANKS_PER_NODE))]
         deadline = time.monotonic() + JOB_TIMEOUT
         while not all(p.exists() for p in in_flight):
-            assert time.monotonic() < deadline, cluster.describe(killed)
-            assert cluster.state(killed) in ("PENDING", "RUNNING"), cluster.describe(killed)
+            assert time.monotonic() < deadline, describe()
+            assert cluster.state(job) in ("PENDING", "RUNNING"), describe()
             time.sleep(0.5)
+        committed = {e["step"] for e in events(run_dir, "saved") if e.get("tier") == "local"}
+        killed_at = time.time()
         pids = cluster.kill_node("node3")
         assert len(pids) >= 3, pids          # slurmd, slurmstepd(s) and the two ranks
         assert not cluster.node_pids("node3") and not cluster.local("node3").exists()
+        info = cluster.wait_finished(job, timeout=JOB_TIMEOUT)
+        assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 0, describe()
     finally:
-        cluster.run("scancel", killed, check=False)
-    cluster.wait_finished(killed, timeout=120)
-    assert max(losses(run_dir)) == STEPS   # it trained to the end; step 6 never committed
+        cluster.run("scancel", job, check=False)
+    assert committed == {EVERY}, committed   # step 6 was in flight, never committed
 
-    survivors = ["node1", "node2", "node4", "node5"]
-    resumed = submit(cluster, train_script(TRANSFORMER, run_dir, *TRAIN_T,
-                                           "checkpoint.local_dir=/local/kill"),
-                     survivors, "resumed", run_dir)
-    finish(cluster, resumed)
+    records = [json.loads(x) for x in (run_dir / "recovery.jsonl").read_text().splitlines()]
+    launches = [r for r in records if r["event"] == "launch"]
+    (d,) = [r for r in records if r["event"] == "recovery"]
+    assert (d["kind"], d["action"], d["failed_hosts"]) == ("node_lost", "relaunch",
+                                                           ["node3"]), (d, describe())
+    assert "node3" in d["cause"] and d["exclude"] == ["node3"], d
+    assert [la["exclude"] for la in launches] == [[], ["node3"]], launches
+    assert {la["job_id"] for la in launches} == {job}, launches
+    # the same job ran both tries; the second on node1, 2, 4 and 5
+    starts = events(run_dir, "started")
+    assert {e["job_id"] for e in starts} == {job}, starts
+    second = [e for e in starts if e["time"] >= launches[1]["time"]]
+    assert sorted(e["rank"] for e in second) == list(range(SIZE)), second
+    assert sorted({e["host"] for e in second}) == ["node1", "node2", "node4", "node5"], second
+    # the restore: step 3, the last committed, from the copies on the survivors; ranks 4
+    # and 5 (node3's) from their partner copies on node4
     restored = events(run_dir, "restored")
     assert restored and {e["step"] for e in restored} == {EVERY}, restored
     assert {e["source"] for e in restored} <= {"local", "partner"}, restored
-    # ranks 4 and 5 (node3's) came back from their partner copies on node4
-    detail = " ".join(e.get("detail", "") for e in restored)
-    assert "partner" in detail, restored
-    got = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    resumed_losses = {r["step"]: r["loss"] for r in got[-(STEPS - EVERY):] if "loss" in r}
+    assert "partner" in " ".join(e.get("detail", "") for e in restored), restored
+    # the first resumed step within 60 s of the kill
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in metrics if "loss" in r and float(r["time"]) > killed_at]
+    assert resumed and resumed[0]["step"] == EVERY + 1, resumed
+    first_s = float(resumed[0]["time"]) - killed_at
+    assert first_s < 60, f"first resumed step {first_s:.1f} s after the kill\n{describe()}"
+    # losses to the end bit-identical to the uninterrupted run
     want = losses(uninterrupted)
-    assert resumed_losses == {s: want[s] for s in range(EVERY + 1, STEPS + 1)}
-    cluster.revive_node("node3")
+    assert {r["step"]: r["loss"] for r in resumed} == {
+        s: want[s] for s in range(EVERY + 1, STEPS + 1)}, resumed
+
+    r = cluster.run(sys.executable, "-m", "spmd.cli", "report", str(run_dir), "--json",
+                    timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    (rec,) = json.loads(r.stdout)["recoveries"]
+    print(f"recovery: first resumed step {first_s:.1f} s after the kill; report {rec}")
+    assert (rec["kind"], rec["action"], rec["failed_hosts"]) == (
+        "node_lost", "relaunch", ["node3"]), rec
+    assert "node3" in rec["cause"] and rec["restored_step"] == EVERY, rec
+    for key in ("detect_s", "relaunch_s", "bootstrap_s", "restore_s", "compile_s",
+                "to_first_step_s"):
+        assert rec[key] is not None and rec[key] >= 0, (key, rec)
+    # from the failure's first trace: node3's ranks' last record, before the kill
+    assert rec["to_first_step_s"] >= first_s - 1, (rec, first_s)
+    assert rec["steps_computed_twice"] == STEPS - EVERY, rec
