@@ -250,11 +250,11 @@ def test_profiles_are_complete():
 
 
 def test_constants_match_launch_and_trainer():
-    import spmd.loop.trainer
+    import spmd.loop.hook_chain
     from spmd import launch
 
     assert ExitCode.PREEMPTED == 75  # the one table; the script below renders it
-    assert HALT_FILE_NAME == spmd.loop.trainer.HALT_FILE_NAME == launch.HALT_FILE_NAME == "HALT"
+    assert HALT_FILE_NAME == spmd.loop.hook_chain.HALT_FILE_NAME == launch.HALT_FILE_NAME == "HALT"
 
 
 def test_profile_xla_flags_parse_in_installed_jaxlib():
