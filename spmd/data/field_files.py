@@ -79,8 +79,8 @@ def _solve_chunk(job: tuple[SampleFn, int, int, int]) -> tuple[np.ndarray, np.nd
 
 def available_cpus(limit: int = 16) -> int:
     """The CPUs this process may run on (its affinity: a scheduler's --cpus-per-task), at
-    most `limit`: how many solver processes a rank that makes a dataset starts while the
-    other ranks wait for it."""
+    most `limit`: how many solver threads a rank that makes a dataset runs while the other
+    ranks wait for it."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:      # not Linux
