@@ -308,7 +308,8 @@ def run(args: argparse.Namespace, base: Path) -> int:
         orbax_write_in_tier = saved[-1]["orbax_start_s"] + saved[-1]["orbax_wait_s"]
         if rep == 0:
             continue
-        for key in ("orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s"):
+        for key in ("orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s",
+                    "chunk_crc_s"):   # chunk_crc_s: the chunks' crc32c, during orbax_wait_s
             phases.setdefault(key, []).append(saved[-1].get(key, 0.0))
         phases.setdefault("other_s", []).append(
             (t5 - t3) - sum(saved[-1].get(k, 0.0) for k in (

@@ -1,15 +1,16 @@
-"""Chunk checksums inside Orbax's own writes, and their check without Orbax.
+"""Chunk checksums of Orbax's Zarr v3 writes, and their check without Orbax.
 
 The persistent tier must vouch for every byte it commits, but reading back the files Orbax
 just wrote to checksum them costs a second pass over the data (issue 40: 0.46x the disk's
-rate). Instead every chunk carries a crc32c that TensorStore computes while it encodes the
-chunk, in its own threads, as the bytes stream to the file: the tier writes Zarr v3 (Orbax's
-`use_zarr3`) and `install_chunk_checksums` adds Zarr v3's standard `crc32c` codec to the
-codecs of each chunk. (Orbax already puts a `crc32c` on each shard's index.) Any TensorStore
-checks them on every read: Orbax's restore, `spmd.load`, a plain
-`ocp.StandardCheckpointer().restore`; a damaged chunk fails the read instead of restoring
-wrong numbers. spmd's own restore reads them with `spmd.checkpoint.reader`, which checks the
-same crc32c in hardware (TensorStore's codec is table-driven and copies each chunk).
+rate). So every chunk's crc32c is known without that pass: for uncompressed steps (the
+default; manifest format /3) spmd computes it from the host arrays while Orbax writes
+(`spmd.checkpoint.chunk_sums`) and the manifest records it; for compressed steps (format /2
+and all steps of format /2) TensorStore computes it while it encodes the chunk and stores it
+after the chunk (Zarr v3's standard `crc32c` codec, added by `install_chunk_checksums`).
+Orbax already puts a `crc32c` on each shard's index. spmd's own restore checks both kinds
+(`spmd.checkpoint.reader`); TensorStore checks the codec's on every read (Orbax's restore,
+a plain `ocp.StandardCheckpointer().restore`), not the manifest's, which is why spmd's
+restore paths that leave a format /3 item to Orbax check it in full first.
 
 `check_data_files` checks them without Orbax, file by file, so that `spmd ckpt verify` and the
 restore's fallback name the damaged file: the item's OCDBT b-tree (TensorStore's public
@@ -19,9 +20,11 @@ own crc32c. Bytes of a data file outside every value (per-process b-tree nodes t
 merged database no longer refers to) are never read by a restore and not checked.
 
 The codec is added by wrapping Orbax's private `_build_zarr3_metadata` (process-wide, every
-Zarr v3 array Orbax writes afterwards gets it; TensorStore and zarr-python read it). An
-Orbax without that function leaves `install_chunk_checksums` False and the tier checksums
-whole files after the write, as before.
+compressed Zarr v3 array Orbax writes afterwards gets it; TensorStore and zarr-python read
+it). It costs: TensorStore computes it with absl's table-driven crc32c and copies each chunk
+(+0.064 s of CPU per 256 MiB written, measured), which is why uncompressed steps do without.
+An Orbax without that function leaves `install_chunk_checksums` False and a compressed step
+is checksummed as whole files after the write, as before.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ _installed: bool | None = None
 
 
 def install_chunk_checksums() -> bool:
-    """Make Orbax's Zarr v3 writes carry a crc32c per chunk; True when they now do."""
+    """Make Orbax's compressed Zarr v3 writes carry a crc32c per chunk; True when they do."""
     global _installed
     with _lock:
         if _installed is not None:
@@ -65,6 +68,8 @@ def install_chunk_checksums() -> bool:
 
         def with_chunk_crc(*args: Any, **kwargs: Any) -> dict:
             metadata = build(*args, **kwargs)
+            if not kwargs.get("use_compression", args[2] if len(args) > 2 else False):
+                return metadata   # uncompressed: the manifest holds the chunks' crc32c
             for codec in metadata.get("codecs", []):
                 if codec.get("name") == "sharding_indexed":
                     inner = codec.setdefault("configuration", {}).setdefault("codecs", [])
@@ -159,10 +164,12 @@ def _shard_layout(zarr_json: bytes) -> tuple[int, bool] | None:
     return None
 
 
-def _check_value(f: Any, offset: int, length: int, chunks: int, chunk_crc: bool) -> str | None:
+def _check_value(f: Any, offset: int, length: int, chunks: int, chunk_crc: bool,
+                 want: str | None = None) -> str | None:
     """Problem with the Zarr shard at `offset` of open file `f` (index at its end, crc32c
-    checked; each chunk ends in its crc32c), else None. Reads each byte once, no copies: a
-    buffer followed by its little-endian crc32c has the crc32c `RESIDUE`."""
+    checked; each chunk ends in its crc32c, or, one chunk per shard, has the crc32c `want`
+    from the step's manifest), else None. Reads each byte once, no copies: a buffer followed
+    by its little-endian crc32c has the crc32c `RESIDUE`."""
     size = 16 * chunks + 4
     if length < size:
         return f"{length} bytes, too short for a shard index of {chunks} chunk(s)"
@@ -170,18 +177,25 @@ def _check_value(f: Any, offset: int, length: int, chunks: int, chunk_crc: bool)
     index = f.read(size)
     if len(index) != size or crc32c(index) != RESIDUE:
         return "its shard index fails its crc32c"
-    if not chunk_crc:
-        return "its chunks carry no crc32c"
+    if not chunk_crc and (want is None or chunks != 1):
+        return ("its chunks carry no crc32c and the step's manifest has none for it"
+                if want is None else f"{chunks} chunks per shard carry no crc32c")
     for i in range(chunks):
         start, nbytes = struct.unpack_from("<QQ", index, 16 * i)
         if start == MISSING and nbytes == MISSING:
+            if not chunk_crc:   # Orbax stores every chunk (store_data_equal_to_fill_value)
+                return f"its index marks chunk {i} absent, the step's manifest has its crc32c"
             continue
-        if nbytes < 4 or start + nbytes > length - size:
+        if nbytes < (4 if chunk_crc else 0) or start + nbytes > length - size:
             return f"chunk {i} lies outside the shard ({start}+{nbytes})"
         f.seek(offset + start)
         chunk = f.read(nbytes)
-        if len(chunk) != nbytes or crc32c(chunk) != RESIDUE:
+        if len(chunk) != nbytes:
+            return f"chunk {i} lies outside the file"
+        if chunk_crc and crc32c(chunk) != RESIDUE:
             return f"chunk {i} fails its crc32c"
+        if not chunk_crc and f"{crc32c(chunk):08x}" != want:
+            return f"chunk {i} fails its crc32c (the manifest's)"
     return None
 
 
@@ -207,8 +221,10 @@ def chunk_checked(item_dir: Path) -> tuple[dict[str, list[tuple[int, int, str]]]
 
 
 def check_data_file(path: Path, values: list[tuple[int, int, str]],
-                    layouts: dict[str, tuple[int, bool]]) -> str | None:
-    """Problem with one data file's values (each chunk read once), naming it; else None."""
+                    layouts: dict[str, tuple[int, bool]],
+                    sums: dict[str, str] | None = None) -> str | None:
+    """Problem with one data file's values (each chunk read once), naming it; else None.
+    `sums`: the manifest's {chunk key: crc32c} of the item (format /3)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -221,7 +237,7 @@ def check_data_file(path: Path, values: list[tuple[int, int, str]],
                 layout = layouts.get(_array_of(key))
                 if layout is None:
                     return f"{path}: {key} is not a crc32c-indexed Zarr shard (cannot be checked)"
-                why = _check_value(f, offset, length, *layout)
+                why = _check_value(f, offset, length, *layout, (sums or {}).get(key))
                 if why is not None:
                     return f"{path}: {key} at {offset}+{length}: {why}"
     except OSError as e:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import google_crc32c
+import numpy as np
 
 from spmd.checkpoint.interface import CheckpointError
 
@@ -43,9 +44,22 @@ def crc32(buf: Any, value: int = 0) -> int:
     return zlib.crc32(buf, value)
 
 
-def crc32c(buf: bytes, value: int = 0) -> int:
-    """crc32c of `buf` (bytes: google-crc32c takes no memoryview), continuing from `value`."""
-    return google_crc32c.extend(value, buf if isinstance(buf, bytes) else bytes(buf))
+def crc32c(buf: Any, value: int = 0) -> int:
+    """crc32c of any buffer (bytes, bytearray, memoryview, numpy array of any dtype),
+    continuing from `value`: the hardware instruction over the bytes in place, no copy (a
+    numpy array that is not C-contiguous is copied once, as it must be to be one buffer).
+
+    google-crc32c copies a writable buffer (and refuses a memoryview), so it is handed a
+    read-only uint8 view of the same memory.
+    """
+    if isinstance(buf, bytes):
+        return google_crc32c.extend(value, buf)
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    view = arr.reshape(-1).view(np.uint8)
+    view.flags.writeable = False
+    return google_crc32c.extend(value, view)
 
 
 def crc32c_file(path: Path, fsync: bool = False) -> tuple[int, int]:

@@ -156,7 +156,7 @@ def _verify_item(step_dir: Path, item: str) -> None:
     if manifest is None:
         raise CheckpointError(f"{step_dir}: its manifest is missing or unreadable")
     files = {rel: want for rel, want in manifest["files"].items() if rel.startswith(f"{item}/")}
-    problems = verify_files(step_dir, {"files": files}, rank=0, size=1)
+    problems = verify_files(step_dir, {**manifest, "files": files}, rank=0, size=1)
     if problems:
         raise CheckpointError("; ".join(problems))
 

@@ -9,17 +9,20 @@ hold one item, `default`, with the whole state; they restore as before. Steps wr
 a field was added to the state (the RNG key) restore when the caller names that field
 optional: it comes back as None, for the caller to fill.
 
-Checksums without a second pass (spmd.checkpoint.chunks): the arrays are written as Zarr v3
-whose chunks each carry a crc32c, computed by TensorStore while it encodes and writes them.
-After Orbax has finalized a step every process fsyncs the files it wrote
-(`ocdbt.process_<i>/`, `array_metadatas/process_<i>`; rank 0 the rest), once each, and lists
-them: a data file (`ocdbt.process_<i>/d/`, at least `SMALL_FILE` bytes) is recorded with its
-size and `"check": "chunks"`, never read back; the small files (Orbax's JSON metadata, OCDBT
+Checksums without a second pass (spmd.checkpoint.step_manifest, .chunk_sums, .chunks): the
+arrays are written as Zarr v3; while Orbax writes them, a thread computes the crc32c of every
+chunk from the host arrays Orbax was handed (hardware crc32c, no copy on CPU); compressed
+steps carry TensorStore's crc32c codec in each chunk instead. After Orbax has finalized a
+step every process fsyncs the files it wrote (`ocdbt.process_<i>/`,
+`array_metadatas/process_<i>`; rank 0 the rest), once each, and lists them: a data file
+(`ocdbt.process_<i>/d/`, at least `SMALL_FILE` bytes) is recorded with its size and
+`"check": "chunks"`, never read back; the small files (Orbax's JSON metadata, OCDBT
 manifests and b-tree nodes: kilobytes) get a crc32c of their bytes. Rank 0 gathers the lists
-and writes `<step>/spmd_manifest.json`. A step counts as committed only when that manifest
-exists: a step Orbax finalized but we could not vouch for is neither restored nor counted by
-retention, so it never pushes out the newest step we can vouch for. Manifests of format
-`spmd-persistent/1` (a zlib crc32 of every file) are still read and checked.
+and the chunks' crc32c and writes `<step>/spmd_manifest.json` (format `spmd-persistent/3`).
+A step counts as committed only when that manifest exists: a step Orbax finalized but we
+could not vouch for is neither restored nor counted by retention, so it never pushes out the
+newest step we can vouch for. Manifests of formats `spmd-persistent/1` (a zlib crc32 of
+every file) and `/2` (TensorStore's crc32c in every chunk) are still read and checked.
 
 Invariants
 - Before Orbax's save of a step the ranks agree (`agree_writable`) that rank 0, the process
@@ -37,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -45,40 +47,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spmd.checkpoint.chunks import check_data_file, chunk_checked, install_chunk_checksums
-from spmd.checkpoint.files import (
-    ChecksumError,
-    crc32_file,
-    crc32c_file,
-    files_under,
-    fsync_dir,
-    hex32,
-    read_json,
-    remove_tree,
-    write_json_atomic,
-)
+from spmd.checkpoint.chunk_sums import ChunkSums
+from spmd.checkpoint.chunks import install_chunk_checksums
+from spmd.checkpoint.files import fsync_dir, remove_tree
 from spmd.checkpoint.finite import count_nonfinite, marked_finite
 from spmd.checkpoint.interface import CheckpointError
-from spmd.checkpoint.layout import parallel_map
 from spmd.checkpoint.reader import Unsupported, read_item, supports
+from spmd.checkpoint.step_manifest import (  # noqa: F401  (re-exported: the tier's names)
+    FORMAT,
+    FORMATS,
+    MANIFEST,
+    SMALL_FILE,
+    checksum_files,
+    file_owner,
+    prefetch,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 from spmd.comm.agreement import Coordinator
 
 log = logging.getLogger("spmd.checkpoint")
 
-MANIFEST = "spmd_manifest.json"
-FORMAT = "spmd-persistent/2"
-FORMATS = ("spmd-persistent/1", FORMAT)   # /1: a zlib crc32 of every file
-SMALL_FILE = 64 << 10     # data files below this are read back and crc32c'd (b-tree nodes)
-_DATA = re.compile(r"(?:^|/)ocdbt\.process_\d+/d/[^/]+$")
 TRASH = ".spmd-dropped-"  # a dropped step, renamed (atomic), removed in the background
 PARAMS, TRAIN_STATE, LEGACY_ITEM = "params", "train_state", "default"
-_OWNER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
-
-
-def file_owner(rel: str) -> int:
-    """The process that wrote a file of an Orbax step (process-named dirs), else 0."""
-    m = _OWNER.search(rel)
-    return int(m.group(1)) if m else 0
 
 
 def split_state(state: Any) -> dict[str, Any]:
@@ -126,142 +118,6 @@ def join_state(like: Any, items: Mapping[str, Any]) -> Any:
     if dataclasses.is_dataclass(like):
         return dataclasses.replace(like, params=items[PARAMS], **items[TRAIN_STATE])
     return {PARAMS: items[PARAMS], **items[TRAIN_STATE]}
-
-
-def is_data_file(rel: str, nbytes: int) -> bool:
-    """A TensorStore data file of an Orbax step (its values are crc32c-checked chunks)."""
-    return nbytes >= SMALL_FILE and _DATA.search(rel) is not None
-
-
-def checksum_files(step_dir: Path, rank: int, size: int, fsync: bool = True,
-                   chunk_crc: bool = True) -> dict[str, dict]:
-    """{relative path: {nbytes, crc32c | check}} of the files of `step_dir` this rank wrote.
-
-    Fsyncs the small ones and the directories (Orbax writes its JSON metadata and renames
-    without an fsync), so that the manifest, written afterwards, never vouches for data
-    still only in page cache. Data files (`chunk_crc`: their chunks carry crc32c) are
-    neither read nor fsynced again: `"check": "chunks"`; TensorStore wrote them and fsynced
-    each before its write completed (its `file_io_sync`, true by default; seen with strace:
-    one fsync per data file). The small files are read once for their crc32c.
-    """
-    mine = []
-    for path in files_under(step_dir):
-        rel = path.relative_to(step_dir).as_posix()
-        if rel == MANIFEST or rel.startswith("."):
-            continue
-        owner = file_owner(rel)
-        if (owner if owner < size else 0) == rank:
-            mine.append((rel, path))
-
-    def one(item: tuple[str, Path]) -> dict:
-        rel, path = item
-        nbytes = path.stat().st_size
-        if chunk_crc and is_data_file(rel, nbytes):
-            return {"nbytes": nbytes, "check": "chunks"}
-        value, n = crc32c_file(path, fsync=fsync)
-        return {"nbytes": n, "crc32c": hex32(value)}
-
-    out = dict(zip((rel for rel, _ in mine), parallel_map(one, mine)))
-    dirs = {path.parent for _, path in mine}
-    if fsync:
-        for d in sorted(dirs | {step_dir, step_dir.parent}):
-            fsync_dir(d)
-    return out
-
-
-def verify_files(step_dir: Path, manifest: dict, rank: int, size: int,
-                 deep: bool = True) -> list[str]:
-    """Recheck this rank's share (every size-th file) of a manifest; problems, naming files.
-
-    Small files: their crc32c (crc32 in format /1). Data files (`"check": "chunks"`): their
-    size, and with `deep` every chunk's crc32c, read once (spmd.checkpoint.chunks); without
-    `deep` the chunks are left to the reader (TensorStore checks them on every read).
-    """
-    share = [(rel, want) for i, (rel, want) in enumerate(sorted(manifest["files"].items()))
-             if i % size == rank]
-    items: dict[str, Any] = {}   # item directory -> its values and layouts (or the problem)
-
-    def values_of(item_dir: Path) -> Any:
-        if item_dir not in items:
-            try:
-                items[item_dir] = chunk_checked(item_dir)
-            except Exception as e:
-                items[item_dir] = (f"{item_dir / 'manifest.ocdbt'}: its OCDBT database "
-                                   f"cannot be read ({type(e).__name__}: {str(e)[:300]})")
-        return items[item_dir]
-
-    def check(item: tuple[str, dict]) -> str | None:
-        rel, want = item
-        path = step_dir / rel
-        if want.get("check") == "chunks":
-            try:
-                n = path.stat().st_size
-            except OSError as e:
-                return f"{path}: cannot be read ({e.strerror or e})"
-            if n != want["nbytes"]:
-                return f"{path}: {n} bytes, the manifest says {want['nbytes']} bytes"
-            if not deep:
-                return None
-            found = values_of(step_dir / rel.split("/", 1)[0])
-            if isinstance(found, str):
-                return found
-            refs, layouts = found
-            prefix = rel.split("/", 1)[1] if "/" in rel else rel
-            return check_data_file(path, refs.get(prefix, []), layouts)
-        algo = "crc32c" if "crc32c" in want else "crc32"
-        try:
-            value, n = (crc32c_file if algo == "crc32c" else crc32_file)(path)
-        except OSError as e:
-            return f"{path}: cannot be read ({e.strerror or e})"
-        if n != want["nbytes"] or hex32(value) != want[algo]:
-            return (f"{path}: {algo} {hex32(value)} over {n} bytes, the manifest says "
-                    f"{want[algo]} over {want['nbytes']} bytes")
-        return None
-
-    if deep:   # one thread reads the b-trees of the items first (not once per file)
-        for rel, want in share:
-            if want.get("check") == "chunks":
-                values_of(step_dir / rel.split("/", 1)[0])
-    # without `deep` the share is kilobytes of small files and a stat per data file: threads
-    # would cost more to start than they save
-    found = parallel_map(check, share) if deep else [check(item) for item in share]
-    return [p for p in found if p is not None]
-
-
-
-
-
-def prefetch(step_dir: Path, manifest: dict, rank: int = 0, size: int = 1) -> threading.Thread:
-    """Ask the kernel to start reading this rank's share of a step's data files now
-    (posix_fadvise WILLNEED, from a background thread), so that the disk reads overlap with
-    the restore's planning and Orbax's metadata reads instead of following them."""
-    share = [step_dir / rel for i, (rel, want) in enumerate(sorted(manifest["files"].items()))
-             if i % size == rank and want.get("check") == "chunks"]
-
-    def ahead() -> None:
-        for path in share:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue   # the check that follows names it
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except (OSError, AttributeError):
-                pass
-            finally:
-                os.close(fd)
-
-    worker = threading.Thread(target=ahead, name="spmd-ckpt-prefetch", daemon=True)
-    worker.start()
-    return worker
-
-
-def read_manifest(step_dir: Path) -> dict | None:
-    try:
-        m = read_json(step_dir / MANIFEST)
-    except (OSError, ChecksumError):
-        return None
-    return m if isinstance(m, dict) and m.get("format") in FORMATS else None
 
 
 def retained(manifests: dict[int, dict | None], keep: int) -> set[int]:
@@ -349,13 +205,16 @@ class PersistentTier:
         self._ocp, self.compress = ocp, compress
         if size > 1:
             use_kv_store_barriers()
-        # Zarr v3 with a crc32c per chunk (spmd.checkpoint.chunks): TensorStore checksums
-        # while it writes, so the files are never read back. Weights barely compress (~8%)
-        # and zstd costs far more CPU time than the bytes it saves cost on a parallel file
-        # system, so compression is off unless `compress`. Any of these restores with any
-        # handler (Orbax reads the format from the files).
-        self.chunk_crc = install_chunk_checksums()
+        # Zarr v3, every chunk's crc32c known without reading the files back: computed from
+        # the host arrays while Orbax writes and kept in the manifest (spmd.checkpoint.
+        # chunk_sums), or, compressed, by TensorStore's crc32c codec inside each chunk
+        # (spmd.checkpoint.chunks). Weights barely compress (~8%) and zstd costs far more CPU
+        # time than the bytes it saves cost on a parallel file system, so compression is off
+        # unless `compress`. Any of these restores with any handler (Orbax reads the format
+        # from the files).
+        self.chunk_crc = install_chunk_checksums() or not compress
         self._standard = compress and not self.chunk_crc
+        self._sums: dict[int, ChunkSums] = {}   # step -> its chunks' crc32c, being computed
 
         def handler() -> Any:
             if self._standard:
@@ -435,8 +294,13 @@ class PersistentTier:
             self.delete(step)  # unverified leftover of an earlier incarnation
         args = self._ocp.args
         save = args.StandardSave if self._standard else args.PyTreeSave
-        items = {name: save(tree) for name, tree in split_state(state).items()}
-        self.manager.save(step, args=args.Composite(**items), force=True)
+        trees = split_state(state)
+        self._sums.pop(step, None)
+        sums = None if self.compress else ChunkSums(trees)
+        self.manager.save(step, args=args.Composite(
+            **{name: save(tree) for name, tree in trees.items()}), force=True)
+        if sums is not None:   # the crc32c of the chunks, while Orbax writes them
+            self._sums[step] = sums.start()
 
     def finish_save(self, step: int, error: str | None = None,
                     params_finite: bool | None = None) -> dict:
@@ -449,6 +313,7 @@ class PersistentTier:
         t0 = time.perf_counter()
         where = self.step_dir(step)
         orbax_s = checksum_s = 0.0
+        sums = self._sums.pop(step, None)
         try:
             if error is not None:
                 raise _StartFailed(error)
@@ -457,8 +322,9 @@ class PersistentTier:
             if not where.is_dir():
                 raise FileNotFoundError(f"{where} is missing after Orbax finished the save")
             files = checksum_files(where, self.rank, self.size, chunk_crc=self.chunk_crc)
+            chunks = {} if sums is None else sums.result(where, self.rank)
             checksum_s = time.perf_counter() - t0 - orbax_s
-            vote = {"ok": True, "files": files}
+            vote = {"ok": True, "files": files, "chunks": chunks}
         except _StartFailed as e:
             vote = {"ok": False, "error": str(e)}
         except Exception as e:
@@ -477,6 +343,8 @@ class PersistentTier:
             # where the rest went: fsync + checksums of this rank's files, the agreement
             # (rank 0: manifest write + retention decision inside it), forgetting dropped steps
             decision["phases"] = {"checksum_fsync_s": round(checksum_s, 4),
+                                  # the chunks' crc32c (this rank), overlapping Orbax's write
+                                  "chunk_crc_s": round(sums.seconds if sums else 0.0, 4),
                                   "commit_s": round(t2 - t1, 4),
                                   "drop_s": round(time.perf_counter() - t2, 4)}
         return decision
@@ -488,7 +356,7 @@ class PersistentTier:
         away here. Decided once and broadcast: ranks that listed the directory themselves,
         while rank 0 was already deleting, disagreed on the list (and, with Orbax's collective
         delete, waited in different barriers for ever)."""
-        decision = _write_manifest(where, step, votes, self.size, params_finite)
+        decision = write_manifest(where, step, votes, self.size, params_finite)
         if decision["ok"]:
             manifests = {s: read_manifest(self.step_dir(s))
                          for s in self.orbax_steps(reload=True)}
@@ -565,8 +433,13 @@ class PersistentTier:
             _, _, _, items, partial, _ = self._items(step, abstract_state, optional)
         except Exception:
             return False
-        return all(supports(self.step_dir(step) / name, tree, name in partial)
+        sums = self._chunk_sums(step)
+        return all(supports(self.step_dir(step) / name, tree, name in partial, sums.get(name))
                    for name, tree in items.items())
+
+    def _chunk_sums(self, step: int) -> dict[str, dict[str, str]]:
+        """{item: {chunk key: crc32c}} from the step's manifest (format /3; else empty)."""
+        return (read_manifest(self.step_dir(step)) or {}).get("chunks") or {}
 
     def _items(self, step: int, abstract_state: Any, optional: Sequence[str]) -> tuple:
         """(legacy, fields, target, {item: its target}, partial items, missing fields)."""
@@ -594,21 +467,37 @@ class PersistentTier:
         """Each item of `step` onto its target: spmd's reader (spmd.checkpoint.reader: the
         chunks read once, their crc32c checked in hardware) where it understands the item,
         else Orbax's restore (older formats, compressed steps; it raises where the step does
-        not fit the target)."""
+        not fit the target). TensorStore does not know the manifest's chunk crc32c (format
+        /3), so one process checks such an item in full before Orbax reads it; several
+        processes reach Orbax's read only after their split full check (spmd.checkpoint.
+        restore)."""
         restored: dict[str, Any] = {}
+        sums = self._chunk_sums(step)
         for name, tree in items.items():
             try:
-                restored[name] = read_item(self.step_dir(step) / name, tree, name in partial)
+                restored[name] = read_item(self.step_dir(step) / name, tree, name in partial,
+                                           sums=sums.get(name))
             except Unsupported as e:
                 if not orbax:
                     raise
                 log.debug("persistent step %d, item %s: read by Orbax (%s)", step, name, e)
         rest = {name: tree for name, tree in items.items() if name not in restored}
+        if self.size == 1 and any(sums.get(name) for name in rest):
+            self._check_items(step, [name for name in rest if sums.get(name)])
         if rest:
             restored.update(self.manager.restore(step, args=self._ocp.args.Composite(
                 **{name: self._restore_args(tree, name in partial)
                    for name, tree in rest.items()})))
         return restored
+
+    def _check_items(self, step: int, names: list[str]) -> None:
+        """The full check of items' files (every chunk read once), raising on damage."""
+        manifest = read_manifest(self.step_dir(step)) or {"files": {}}
+        files = {rel: want for rel, want in manifest["files"].items()
+                 if rel.split("/", 1)[0] in names}
+        problems = verify_files(self.step_dir(step), {**manifest, "files": files}, 0, 1)
+        if problems:
+            raise CheckpointError("; ".join(problems))
 
     def _stored_fields(self, step: int, item: str) -> set[str] | None:
         """Top-level keys of a step's item, from Orbax's metadata (None: unreadable)."""
@@ -646,25 +535,6 @@ def restore_args(target: Any, partial: bool = False) -> Any:
 
 class _StartFailed(Exception):
     """This rank's Orbax save raised before it got going (message names rank and path)."""
-
-
-def _write_manifest(step_dir: Path, step: int, votes: list[dict], size: int,
-                    params_finite: bool | None = None) -> dict:
-    errors = [v["error"] for v in votes if not v.get("ok")]
-    if errors:
-        return {"ok": False, "errors": errors}
-    files: dict[str, dict] = {}
-    for v in votes:
-        files.update(v["files"])
-    nbytes = sum(f["nbytes"] for f in files.values())
-    try:
-        write_json_atomic(step_dir / MANIFEST, {
-            "format": FORMAT, "step": step, "num_processes": size, "files": files,
-            "nbytes": nbytes, "time": time.time(),
-            **({} if params_finite is None else {"params_finite": params_finite})})
-    except OSError as e:
-        return {"ok": False, "errors": [f"rank 0: writing {step_dir / MANIFEST} failed: {e}"]}
-    return {"ok": True, "bytes": nbytes, "files": len(files)}
 
 
 def persistent_error(decision: dict, step: int) -> CheckpointError:

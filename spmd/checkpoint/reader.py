@@ -6,13 +6,16 @@ that made spmd's restore ~0.6x Orbax's restore of an unchecked Zarr v2 step. Thi
 takes the chunks' places from the item's OCDBT b-tree (`chunks.item_values`), reads each
 chunk that a local device needs with one `preadv` into the buffer that becomes the array
 (no extra copy when a device's shard is one chunk, the layout Orbax writes), and checks its
-crc32c with the hardware crc32c (google-crc32c, ~10 GB/s) from a pool of threads. Same
+crc32c with the hardware crc32c (google-crc32c, ~10 GB/s) from a pool of threads: the
+crc32c the chunk carries (format /2: TensorStore's codec), or since format /3 (chunks
+written plain) the one the step's manifest records (`spmd.checkpoint.chunk_sums`). Same
 guarantee as before: no byte reaches the state unchecked, and a damaged chunk fails the read
 (`DamagedChunk`, naming file, key and offset) so that the restore falls back.
 
 It reads only what it fully understands: a step whose every target leaf is a Zarr v3 array
-written by spmd's persistent tier (`sharding_indexed`, chunks `bytes` + `crc32c`, index at
-the end with its crc32c, no compression), whose shape and dtype equal the target's, onto a
+written by spmd's persistent tier (`sharding_indexed`, chunks `bytes` + `crc32c`, or `bytes`
+with the manifest's crc32c of each, index at the end with its crc32c, no compression), whose
+shape and dtype equal the target's, onto a
 target with shardings, whose set of arrays is the target's (or a superset, `partial`).
 Anything else (steps of older formats, compressed steps, another model) raises `Unsupported`
 and Orbax reads the step as before (and raises its own error where the step does not fit).
@@ -34,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from spmd.checkpoint.chunks import MISSING, RESIDUE, item_values
+from spmd.checkpoint.files import crc32c
 from spmd.checkpoint.interface import CheckpointError
 
 Region = tuple[tuple[int, int], ...]   # (start, stop) per dimension
@@ -58,11 +62,7 @@ def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:
 
 def _crc_ok(buf: np.ndarray) -> bool:
     """A buffer that ends in its own little-endian crc32c (hardware crc32c, no copy)."""
-    import google_crc32c
-
-    view = buf.view()
-    view.setflags(write=False)   # google-crc32c takes read-only buffers without copying
-    return google_crc32c.extend(0, view) == RESIDUE
+    return crc32c(buf) == RESIDUE
 
 
 class _Source:
@@ -140,7 +140,7 @@ class _Source:
 class _Array:
     """One stored array's layout, from its zarr.json, checked against the target leaf."""
 
-    def __init__(self, name: str, meta: dict, leaf: Any):
+    def __init__(self, name: str, meta: dict, leaf: Any, sums: dict[str, str] | None = None):
         if (meta.get("zarr_format") != 3 or meta.get("node_type") != "array"
                 or meta.get("storage_transformers")):
             raise Unsupported(f"{name}: not a plain Zarr v3 array")
@@ -160,8 +160,12 @@ class _Array:
             raise Unsupported(f"{name}: not one sharding_indexed codec on a regular grid")
         config = codecs[0].get("configuration", {})
         little = sys.byteorder == "little" or self.dtype.itemsize == 1
+        chunk_codecs = [c.get("name") for c in config.get("codecs", [])]
+        # each chunk checked by its own crc32c (formats /2) or by the manifest's (/3)
+        self.sums = sums if chunk_codecs == ["bytes"] else None
         if (config.get("index_location", "end") != "end" or not little
-                or [c.get("name") for c in config.get("codecs", [])] != ["bytes", "crc32c"]
+                or chunk_codecs not in (["bytes", "crc32c"], ["bytes"])
+                or (chunk_codecs == ["bytes"] and sums is None)
                 or [c.get("name") for c in config.get("index_codecs", [])]
                 != ["bytes", "crc32c"]
                 or any((c.get("configuration") or {}).get("endian", "little") != "little"
@@ -175,7 +179,26 @@ class _Array:
         self.per_shard = tuple(o // i for o, i in zip(self.outer, self.inner))
         self.chunks = math.prod(self.per_shard)
         self.chunk_bytes = math.prod(self.inner) * self.dtype.itemsize
+        self.stored_bytes = self.chunk_bytes + (4 if self.sums is None else 0)
+        if self.sums is not None and self.chunks != 1:
+            raise Unsupported(f"{name}: {self.chunks} chunks per shard without their crc32c")
         self.fill = _fill(meta.get("fill_value", 0), self.dtype, name)
+
+    def check(self, src: _Source, key: str, j: int, buf: np.ndarray | None) -> None:
+        """Raise `DamagedChunk` unless chunk `j` of shard `key` (`buf`: its stored bytes;
+        None: the index marks it absent) is what was written."""
+        if self.sums is None:
+            if buf is not None and not _crc_ok(buf):
+                raise DamagedChunk(f"{src.where(key)}: chunk {j} fails its crc32c")
+            return
+        want = self.sums.get(key)
+        if want is None:
+            raise DamagedChunk(f"{src.where(key)}: the step's manifest has no crc32c for it")
+        if buf is None:   # Orbax stores every chunk (store_data_equal_to_fill_value)
+            raise DamagedChunk(f"{src.where(key)}: its index marks chunk {j} absent, the "
+                               "step's manifest has its crc32c")
+        if f"{crc32c(buf):08x}" != want:
+            raise DamagedChunk(f"{src.where(key)}: chunk {j} fails its crc32c (the manifest's)")
 
 
 def _fill(value: Any, dtype: np.dtype, name: str) -> Any:
@@ -207,6 +230,9 @@ def _read_region(src: _Source, arr: _Array, region: Region) -> np.ndarray:
         origin = tuple(c[i] for c, i in zip(cells, cell))
         key = _chunk_key(arr.name, origin)
         if not src.has(key):
+            if arr.sums is not None and key in arr.sums:
+                raise DamagedChunk(f"{src.item_dir / 'manifest.ocdbt'}: {key} is missing from "
+                                   "the item's b-tree (the step's manifest has its crc32c)")
             continue
         length = src.length(key)
         if length < index_size:
@@ -228,15 +254,15 @@ def _read_region(src: _Source, arr: _Array, region: Region) -> np.ndarray:
         for j, lo, hi in lo_hi:
             start, nbytes = (int(v) for v in entries[j])
             if start == MISSING and nbytes == MISSING:
+                arr.check(src, key, j, None)
                 continue
-            if nbytes != arr.chunk_bytes + 4 or start + nbytes > length - index_size:
+            if nbytes != arr.stored_bytes or start + nbytes > length - index_size:
                 raise DamagedChunk(f"{src.where(key)}: chunk {j} ({start}+{nbytes}) does not "
-                                   f"fit the shard or its {arr.chunk_bytes} bytes + crc32c")
+                                   f"fit the shard or its {arr.stored_bytes} bytes")
             buf = (whole[start:start + nbytes] if whole is not None
                    else src.read(key, start, nbytes))
-            if not _crc_ok(buf):
-                raise DamagedChunk(f"{src.where(key)}: chunk {j} fails its crc32c")
-            values = buf[:-4].view(arr.dtype).reshape(arr.inner)
+            arr.check(src, key, j, buf)
+            values = buf[:arr.chunk_bytes].view(arr.dtype).reshape(arr.inner)
             if one_chunk:
                 return values   # the shard is the region: the read buffer is the array
             if out is None:
@@ -265,25 +291,28 @@ def _region(index: tuple, shape: tuple[int, ...]) -> Region:
     return tuple(out)
 
 
-def supports(item_dir: Path, target: Any, partial: bool = False) -> bool:
+def supports(item_dir: Path, target: Any, partial: bool = False,
+             sums: dict[str, str] | None = None) -> bool:
     """Whether `read_item` reads this item onto `target` (its metadata alone is read): the
     ranks agree on it before reading, so that none is left in Orbax's barriers."""
     try:
-        read_item(item_dir, target, partial, dry_run=True)
+        read_item(item_dir, target, partial, dry_run=True, sums=sums)
     except Exception:   # Unsupported, or metadata that cannot be read: Orbax's path
         return False
     return True
 
 
 def read_item(item_dir: Path, target: Any, partial: bool = False,
-              names_of: Any = None, dry_run: bool = False) -> Any:
+              names_of: Any = None, dry_run: bool = False,
+              sums: dict[str, str] | None = None) -> Any:
     """The arrays of one Orbax item (a directory of a persistent step) onto `target`'s
     leaves (`jax.ShapeDtypeStruct`s with shardings), as `target`'s tree.
 
     `partial`: the item may hold arrays the target does not name (not read). Raises
     `Unsupported` (read it with Orbax instead) or `DamagedChunk`/`CheckpointError` (naming
     the file) when a chunk, an index or the b-tree is damaged. `dry_run`: check the
-    metadata, read no data, return None.
+    metadata, read no data, return None. `sums`: the step manifest's {chunk key: crc32c}
+    of this item (format /3), against which chunks without a crc32c of their own are checked.
     """
     import jax
 
@@ -312,7 +341,7 @@ def read_item(item_dir: Path, target: Any, partial: bool = False,
                 meta = json.loads(src.read(key, 0, src.length(key)).tobytes())
             except ValueError as e:
                 raise CheckpointError(f"{src.where(key)}: unreadable ({e})") from e
-            arrays.append(_Array(name, meta, leaf))
+            arrays.append(_Array(name, meta, leaf, sums))
         tasks = []   # (leaf number, region, devices)
         for i, leaf in enumerate(leaves):
             regions: dict[Region, list] = {}

@@ -1,7 +1,8 @@
 """The persistent tier's chunk checksums with two real processes (issue 40): each rank lists
-its own data files by size (never read back), retention renames dropped steps away for every
-rank, and a flipped byte in rank 1's data file is found by the ranks' split full check,
-named, and the restore falls back to the previous step, bit for bit."""
+its own data files by size (never read back), the ranks' chunk crc32c (manifest format /3)
+together cover every chunk, retention renames dropped steps away for every rank, and a
+flipped byte in rank 1's data file is found by the ranks' split full check, named, and the
+restore falls back to the previous step, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 
 import pytest
 
+from spmd.checkpoint.chunks import item_values
 from spmd.checkpoint.persistent import SMALL_FILE, TRASH
 from tests.helpers.checkpoint_worker import dump, same_state, train
 
@@ -33,6 +35,13 @@ def test_two_ranks_checksum_their_chunks_and_a_damaged_step_falls_back(tmp_path)
     assert any("ocdbt.process_0/" in r for r in chunked), sorted(manifest["files"])
     assert any("ocdbt.process_1/" in r for r in chunked), sorted(manifest["files"])
     assert all(manifest["files"][r]["nbytes"] >= SMALL_FILE for r in chunked)
+    # the ranks' crc32c of their chunks (computed while Orbax wrote), together every chunk
+    # the items' b-trees hold, and no other
+    assert manifest["format"] == "spmd-persistent/3"
+    for item in ("params", "train_state"):
+        refs, inline = item_values(root / "9" / item)
+        keys = {k for vs in refs.values() for _, _, k in vs} | set(inline)
+        assert set(manifest["chunks"][item]) == {k for k in keys if "/c" in k}, item
 
     baseline = tmp_path / "baseline"   # the same run without step 9: restores step 6
     shutil.copytree(run_dir, baseline)

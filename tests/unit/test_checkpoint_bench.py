@@ -42,7 +42,9 @@ def test_checkpoint_bench_short():
                 "restore_ratio_persistent_over_raw", "restore_ratio_orbax_over_raw"):
         assert record[key]["median"] > 0 and record[key]["n"] == 2, key
     assert set(record["persistent_phases"]) == {
-        "orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s", "other_s"}
+        "orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s", "other_s",
+        "chunk_crc_s"}
+    assert record["persistent_phases"]["chunk_crc_s"]["median"] > 0   # the chunks' crc32c
     assert all(v > 0 for v in record["restore_MBps"].values())
     for name in ("throughput_ratio_persistent_over_orbax_write",
                  "restore_ratio_persistent_over_orbax", "persistent phase commit_s"):

@@ -1,7 +1,8 @@
 """spmd's reader of persistent steps (spmd.checkpoint.reader, issue 40): the arrays it reads
 are bit for bit Orbax's, onto the saved mesh and onto another; every chunk it reads is
-checked (a flipped byte fails the read, naming the file); replicated shards never share a
-buffer; steps it does not understand (compressed) are left to Orbax."""
+checked against the crc32c the step's manifest holds (format /3; a flipped byte fails the
+read, naming the file, and so does a chunk the manifest has no crc32c for); replicated
+shards never share a buffer; steps it does not understand (compressed) are left to Orbax."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.checkpoint.chunks import item_values
-from spmd.checkpoint.persistent import PersistentTier
+from spmd.checkpoint.persistent import PersistentTier, read_manifest
 from spmd.checkpoint.reader import DamagedChunk, Unsupported, read_item, supports
 from spmd.config.load import config_from_dict
 from tests.helpers.stand_ins import RecordedEvents, one_process_checkpointer
@@ -70,6 +71,11 @@ def _item(root: Path, run: str = "run") -> Path:
     return root / run / "checkpoints" / "5" / "train_state"
 
 
+def _sums(item: Path) -> dict[str, str]:
+    """The step manifest's {chunk key: crc32c} of an item (format /3)."""
+    return read_manifest(item.parent)["chunks"][item.name]
+
+
 def _orbax(item: Path, abstract):
     with ocp.PyTreeCheckpointer() as ckptr:
         return ckptr.restore(item, args=ocp.args.PyTreeRestore(
@@ -79,7 +85,7 @@ def _orbax(item: Path, abstract):
 def test_reads_what_orbax_reads_onto_the_saved_and_another_mesh(saved):
     root, state = saved
     item = _item(root)
-    got = read_item(item, _abstract(state))
+    got = read_item(item, _abstract(state), sums=_sums(item))
     assert _same(got, state) and _same(got, _orbax(item, _abstract(state)))
     assert all(g.sharding == s.sharding for g, s in zip(jax.tree.leaves(got),
                                                          jax.tree.leaves(state)))
@@ -88,7 +94,7 @@ def test_reads_what_orbax_reads_onto_the_saved_and_another_mesh(saved):
     # leaves in order: opt count, opt mu w, step, weights b, k, w
     specs = iter([P(), P("data"), P(), P("tensor"), P("data"), P(None, "tensor")])
     target = _abstract(state, lambda x: NamedSharding(other, next(specs)))
-    moved = read_item(item, target)
+    moved = read_item(item, target, sums=_sums(item))
     assert _same(moved, state) and _same(moved, _orbax(item, target))
     # replicas are copies: a donating step on one device cannot change another's
     b = moved["weights"]["b"]
@@ -109,9 +115,15 @@ def test_flipped_byte_fails_the_read_naming_the_file(saved, tmp_path):
     data = bytearray(victim.read_bytes())
     data[offset + length // 2] ^= 0x01     # inside the shard's one chunk
     victim.write_bytes(bytes(data))
+    sums = _sums(_item(root))
     with pytest.raises(DamagedChunk, match="fails its crc32c") as e:
-        read_item(item, _abstract(state))
-    assert str(victim) in str(e.value)
+        read_item(item, _abstract(state), sums=sums)
+    assert str(victim) in str(e.value) and "weights.w/c/1/2" in str(e.value)
+    # a chunk the manifest holds no crc32c for is never read unchecked
+    fewer = {k: v for k, v in sums.items() if k != "weights.k/c/1/0"}
+    with pytest.raises(DamagedChunk, match="no crc32c") as e:
+        read_item(_item(root), _abstract(state), sums=fewer)
+    assert "weights.k/c/1/0" in str(e.value)
 
 
 def test_leaves_what_it_does_not_understand_to_orbax(saved):
@@ -119,12 +131,14 @@ def test_leaves_what_it_does_not_understand_to_orbax(saved):
     with pytest.raises(Unsupported, match="compressed"):
         read_item(_item(root, "zstd"), _abstract(state))
     # what the ranks agree on before reading (metadata alone)
-    assert supports(_item(root), _abstract(state))
+    sums = _sums(_item(root))
+    assert supports(_item(root), _abstract(state), sums=sums)
+    assert not supports(_item(root), _abstract(state))   # plain chunks need the manifest's
     assert not supports(_item(root, "zstd"), _abstract(state))
     smaller = {k: v for k, v in state.items() if k != "opt"}
     with pytest.raises(Unsupported, match="other arrays"):
-        read_item(_item(root), _abstract(smaller))
-    assert _same(read_item(_item(root), _abstract(smaller), partial=True), smaller)
+        read_item(_item(root), _abstract(smaller), sums=sums)
+    assert _same(read_item(_item(root), _abstract(smaller), partial=True, sums=sums), smaller)
     # the tier reads the compressed step with Orbax, bit for bit
     tier = PersistentTier(root / "zstd" / "checkpoints", 0, 1, 1, 1, 60.0, False, None,
                           compress=True)

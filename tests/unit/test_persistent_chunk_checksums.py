@@ -1,7 +1,9 @@
-"""The persistent tier's checksums without a read-back (issue 40): every chunk Orbax writes
-carries a crc32c that TensorStore computed while writing; the manifest lists the data files by
-size, and the checks (`verify_files`, `spmd ckpt verify`, the restore) still find and name a
-damaged data file, whether the damage hits a chunk or a shard's index."""
+"""The persistent tier's checksums without a read-back (issue 40): the crc32c of every chunk
+Orbax writes is computed from the host arrays while Orbax writes and kept in the step's
+manifest (format /3); the manifest lists the data files by size, and the checks
+(`verify_files`, `spmd ckpt verify`, the restore) still find and name a damaged data file,
+whether the damage hits a chunk, a shard's index or the b-tree's list of chunks. Steps of
+format /2 (TensorStore's crc32c codec inside each chunk) and /1 still verify and restore."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import json
 import zlib
 from pathlib import Path
 
+import google_crc32c
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.checkpoint.chunks import chunk_checked
+from spmd.checkpoint.chunks import chunk_checked, item_values
 from spmd.checkpoint.files import hex32, write_json_atomic
 from spmd.checkpoint.persistent import MANIFEST, SMALL_FILE, TRASH, read_manifest, verify_files
 from spmd.config.load import config_from_dict
@@ -81,7 +84,7 @@ def _data_files(step_dir: Path) -> list[Path]:
 def test_manifest_lists_data_files_by_size_and_small_files_by_crc32c(saved):
     step_dir = saved[0] / "checkpoints" / "4"
     manifest = read_manifest(step_dir)
-    assert manifest is not None and manifest["format"] == "spmd-persistent/2"
+    assert manifest is not None and manifest["format"] == "spmd-persistent/3"
     data = {p.relative_to(step_dir).as_posix() for p in _data_files(step_dir)}
     assert data, "the test state must produce data files above SMALL_FILE"
     for rel, entry in manifest["files"].items():
@@ -90,9 +93,21 @@ def test_manifest_lists_data_files_by_size_and_small_files_by_crc32c(saved):
             assert entry == {"nbytes": entry["nbytes"], "check": "chunks"}, rel
         else:
             assert len(entry["crc32c"]) == 8, rel
-    # every chunk of every array carries a crc32c (Zarr v3's codec, inside each shard)
+    # the chunks carry no crc32c (no TensorStore codec: it is slow); the manifest holds one
+    # for every chunk of every item, exactly the chunks the items' b-trees hold
     refs, layouts = chunk_checked(step_dir / "params")
-    assert {"w", "v"} <= set(layouts) and all(crc for _, crc in layouts.values()), layouts
+    assert {"w", "v"} <= set(layouts) and not any(crc for _, crc in layouts.values()), layouts
+    for item in ("params", "train_state"):
+        stored, inline = item_values(step_dir / item)
+        keys = {k for vs in stored.values() for _, _, k in vs} | set(inline)
+        assert set(manifest["chunks"][item]) == {k for k in keys if "/c" in k}, item
+    # ... each the crc32c of the chunk's values, from the state that was saved: w is split
+    # 2 x 4 (512 x 256 -> 256 x 64 shards); v, replicated on 8 devices, is written in 8 slices
+    w, v = (np.asarray(saved[1][4]["params"][k]) for k in ("w", "v"))
+    sums = manifest["chunks"]["params"]
+    assert sums["w/c/1/2"] == hex32(google_crc32c.value(w[256:, 128:192].tobytes()))
+    assert sums["v/c/3/0"] == hex32(google_crc32c.value(v[192:256].tobytes()))
+    assert len([k for k in sums if k.startswith("v/")]) == 8
     assert verify_files(step_dir, manifest, 0, 1) == []
 
 
@@ -114,8 +129,8 @@ def test_flipped_byte_in_a_chunk_is_found_named_and_restore_falls_back(saved, tm
     problems = verify_files(step_dir, manifest, 0, 1)
     assert len(problems) == 1 and str(victim) in problems[0], problems
     assert "fails its crc32c" in problems[0], problems
-    # the restore reads step 4 with Orbax (TensorStore checks the crc32c), finds it damaged,
-    # names the file and falls back to step 2, bit for bit
+    # the restore reads step 4 (spmd's reader checks each chunk against the manifest),
+    # finds it damaged, names the file and falls back to step 2, bit for bit
     events = RecordedEvents()
     ck = one_process_checkpointer(_cfg(run_dir), events)
     got = ck.restore(_abstract(saved[1][2]))
@@ -190,3 +205,85 @@ def test_ranks_split_the_full_check_and_together_name_the_damage(saved, tmp_path
     shares = [verify_files(step_dir, manifest, rank, 2) for rank in (0, 1)]
     assert sorted(len(s) for s in shares) == [0, 1], shares
     assert str(victim) in (shares[0] + shares[1])[0]
+
+
+def test_format_2_steps_with_crc32c_inside_each_chunk_still_verify_and_restore(tmp_path,
+                                                                                monkeypatch):
+    """A step written before format /3: TensorStore's crc32c codec in every chunk, no
+    "chunks" in the manifest. It verifies, restores bit for bit, and damage is named."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tu
+
+    build = tu._build_zarr3_metadata
+
+    def with_codec(*args, **kwargs):   # what the tier wrote for every step before /3
+        meta = build(*args, **kwargs)
+        meta["codecs"][0]["configuration"]["codecs"].append({"name": "crc32c"})
+        return meta
+
+    monkeypatch.setattr(tu, "_build_zarr3_metadata", with_codec)
+    run_dir = tmp_path / "run"
+    state = _state(2)
+    ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
+    ck.maybe_save(2, state)
+    ck.close()
+    monkeypatch.setattr(tu, "_build_zarr3_metadata", build)
+    step_dir = run_dir / "checkpoints" / "2"
+    manifest = read_manifest(step_dir)
+    old = {k: v for k, v in manifest.items() if k != "chunks"}
+    write_json_atomic(step_dir / MANIFEST, {**old, "format": "spmd-persistent/2"})
+    assert read_manifest(step_dir)["format"] == "spmd-persistent/2"
+    assert all(crc for _, crc in chunk_checked(step_dir / "params")[1].values())
+    assert verify_files(step_dir, read_manifest(step_dir), 0, 1) == []
+    ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
+    got = ck.restore(_abstract(state))
+    ck.close()
+    assert (got.step, got.source) == (2, "persistent") and _same(got.state, state)
+    victim = _data_files(step_dir)[0]
+    _flip(victim, victim.stat().st_size // 3)
+    problems = verify_files(step_dir, read_manifest(step_dir), 0, 1)
+    assert len(problems) == 1 and str(victim) in problems[0], problems
+    assert "fails its crc32c" in problems[0] and "manifest" not in problems[0], problems
+
+
+def test_an_item_left_to_orbax_is_checked_in_full_first(saved, tmp_path):
+    """TensorStore does not know the manifest's crc32c: where spmd's reader cannot read an
+    item (here: another dtype, which Orbax casts), the tier checks its chunks before Orbax
+    reads it, and a damaged chunk fails the read naming the file."""
+    from spmd.checkpoint.interface import CheckpointError
+    from spmd.checkpoint.persistent import PersistentTier
+
+    run_dir = _copy(saved, tmp_path)
+    root = run_dir / "checkpoints"
+    as_bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, jax.numpy.bfloat16 if x.dtype == np.float32 else x.dtype,
+        sharding=x.sharding), saved[1][4])
+    tier = PersistentTier(root, 0, 1, 2, 2, 60.0, False, None)
+    try:
+        assert not tier.readable(4, as_bf16) and tier.readable(4, _abstract(saved[1][4]))
+        restored, _ = tier.restore(4, as_bf16)   # intact: Orbax reads it, cast
+        want = np.asarray(saved[1][4]["params"]["w"]).astype(jax.numpy.bfloat16)
+        assert np.asarray(restored["params"]["w"]).tobytes() == want.tobytes()
+        victim = _data_files(root / "4")[0]
+        _flip(victim, victim.stat().st_size // 3)
+        with pytest.raises(CheckpointError, match="fails its crc32c") as e:
+            tier.restore(4, as_bf16)
+        assert str(victim) in str(e.value)
+    finally:
+        tier.close()
+
+
+def test_chunks_predicted_wrong_are_summed_again_after_the_write(saved, tmp_path, monkeypatch):
+    """The crc32c are computed while Orbax writes, for the chunk shape Orbax is expected to
+    choose; where Orbax chose another (here: the replicated `v`, written in 8 slices, is
+    predicted whole), they are computed again from the arrays, never from the files."""
+    from spmd.checkpoint import chunk_sums
+
+    monkeypatch.setattr(chunk_sums, "predicted_chunk_shape",
+                        lambda leaf: tuple(leaf.addressable_shards[0].data.shape))
+    run_dir = tmp_path / "run"
+    ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
+    ck.maybe_save(4, _state(4))
+    ck.close()
+    got = read_manifest(run_dir / "checkpoints" / "4")
+    assert got["chunks"] == read_manifest(saved[0] / "checkpoints" / "4")["chunks"]
+    assert verify_files(run_dir / "checkpoints" / "4", got, 0, 1) == []
