@@ -15,8 +15,9 @@ and `spmd ckpt verify` check every chunk against them.
 Which chunks: Orbax writes each array as Zarr v3 with one chunk per shard (the grid's chunk
 shape is also the inner chunk shape), whose shape is the region one replica writes: a
 device's shard, or with replica-parallel writes 1/n of it along the first axis that n
-divides (`replica_slices.get_replica_slices`' `local_shape`), smaller only when that exceeds
-the OCDBT target file size. `ChunkSums` predicts that shape with Orbax's own function; after
+divides (`replica_slices.get_replica_slices`' `local_shape`), cut smaller where that exceeds
+the OCDBT target file size (2 GiB: `subchunking.choose_chunk_shape`). `ChunkSums` predicts
+that shape with these functions of Orbax's; after
 the write, `result` compares it with the chunk shapes Orbax recorded
 (`<item>/array_metadatas/process_<rank>`, else the array's `zarr.json`) and recomputes any
 array it predicted wrong from the arrays, which it holds until then (never from the files).
@@ -97,14 +98,20 @@ def predicted_chunk_shape(leaf: Any) -> tuple[int, ...]:
     try:
         import jax
         import orbax.checkpoint as ocp
+        from orbax.checkpoint._src.arrays import subchunking
         from orbax.checkpoint._src.serialization import replica_slices
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tu
 
         handler = ocp.type_handlers.get_type_handler(jax.Array)
-        return tuple(replica_slices.get_replica_slices(
+        write_shape = tuple(replica_slices.get_replica_slices(
             leaf, getattr(handler, "_replica_id", 0) or 0,
             bool(getattr(handler, "_use_replica_parallel", True)),
             getattr(handler, "_min_slice_bytes_for_replica_parallel", None),
             getattr(handler, "_max_replicas_for_replica_parallel", None)).local_shape)
+        dtype = np.dtype(leaf.dtype)   # a write above the OCDBT target file size is cut
+        limit = tu.calculate_chunk_byte_size(write_shape, dtype, chunk_byte_size=None)
+        return tuple(subchunking.choose_chunk_shape(tuple(leaf.shape), write_shape, dtype,
+                                                    limit))
     except Exception:   # another Orbax: the shard's shape; `result` corrects it if wrong
         return tuple(leaf.addressable_shards[0].data.shape)
 

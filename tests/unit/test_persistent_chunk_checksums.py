@@ -287,3 +287,25 @@ def test_chunks_predicted_wrong_are_summed_again_after_the_write(saved, tmp_path
     got = read_manifest(run_dir / "checkpoints" / "4")
     assert got["chunks"] == read_manifest(saved[0] / "checkpoints" / "4")["chunks"]
     assert verify_files(run_dir / "checkpoints" / "4", got, 0, 1) == []
+
+
+def test_shards_orbax_cuts_into_several_chunks_are_summed_per_chunk(saved, tmp_path,
+                                                                      monkeypatch):
+    """A shard above Orbax's OCDBT target file size (2 GiB; 16 KiB here) is written as
+    several chunks: each gets its crc32c, and the step verifies and restores bit for bit."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tu
+
+    monkeypatch.setattr(tu, "_DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE", 16 << 10)
+    run_dir = tmp_path / "run"
+    ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
+    ck.maybe_save(4, saved[1][4])
+    ck.close()
+    step_dir = run_dir / "checkpoints" / "4"
+    manifest = read_manifest(step_dir)
+    sums = manifest["chunks"]["params"]
+    assert len([k for k in sums if k.startswith("w/")]) == 32   # 8 shards of 64 KiB, in 4
+    assert verify_files(step_dir, manifest, 0, 1) == []
+    ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
+    got = ck.restore(_abstract(saved[1][4]))
+    ck.close()
+    assert (got.step, got.source) == (4, "persistent") and _same(got.state, saved[1][4])
