@@ -158,6 +158,23 @@ class Outcome:
         return max(times) if times else None
 
 
+def only_silent_hosts_left(records: list[dict], exited: set[int],
+                           killed: dict[int, str]) -> list[str]:
+    """The hosts a launcher still waits for when every rank elsewhere is accounted for (an
+    exit it reported, a death by a signal, an end record) and none of theirs is: srun waits
+    for a dead node's tasks until the scheduler gives up on the node (SlurmdTimeout, 300 s by
+    default), while the survivors have long ended. Empty when the launcher reported no exit
+    (a healthy try ends with status 0 and no such lines)."""
+    out = Outcome(status=0, records=records, killed_ranks=killed, exited_ranks=exited)
+    silent = out.vanished_hosts()
+    if not silent:
+        return []
+    ended = {int(e["rank"]) for e in records if e.get("event") in ENDS}
+    accounted = ended | exited | set(killed)
+    others = [r for r, h in out.hosts_of_ranks().items() if h not in silent]
+    return silent if others and all(r in accounted for r in others) else []
+
+
 def read_records(run_dir: Path, since: float) -> list[dict]:
     """events.jsonl records written at or after `since` (a cut-short line is skipped)."""
     path = Path(run_dir) / "events.jsonl"

@@ -48,6 +48,7 @@ from spmd.launch.recovery import (
     exited_from_launcher,
     failed_nodes_from_launcher,
     killed_from_launcher,
+    only_silent_hosts_left,
     read_records,
 )
 
@@ -59,6 +60,7 @@ POLL_S = 5.0     # between two looks at the scheduler's node states during a try
 READ_S = 2.0     # between two reads of the ranks' new records during a try
 ENDING_S = 10.0  # a failure's ranks end within this (spmd.comm.job_failure's waits)
 DOWN_WAIT_S = 5.0  # srun's abort of a try with a host down: the live ranks end within this
+SILENT_S = 5.0   # every rank off some hosts ended, none of theirs said a word: end it then
 
 
 class _Follow:
@@ -150,12 +152,16 @@ class Supervisor:
         the launcher reports dead by a signal while the others still run `grace_s` later (a
         peer on another host may wait for the heartbeat timeout), or a host the try's ranks
         run on (their `started` records) that the scheduler reports down (checked every
-        `poll_s`)."""
+        `poll_s`), or a launcher that waits only for hosts none of whose ranks said a word
+        while every other rank has ended (`SILENT_S` later: a lost node, seen long before the
+        scheduler marks it down)."""
         broken_at: float | None = None
+        silent_since: float | None = None
         next_poll = time.monotonic() + self.poll_s
         aborted = False
         announced_at: float | None = None
         events = _Follow(self.run_dir / "events.jsonl", started)
+        records: list[dict] = []   # the try's records so far
         next_read = time.monotonic() + READ_S
         while True:
             try:
@@ -179,10 +185,23 @@ class Supervisor:
                     # the launcher waits in vain for that host's tasks: a short wait
                     aborted = self._abort(proc, tail, wait_s=DOWN_WAIT_S)
                     continue
-            if announced_at is None and now >= next_read:
+            if now >= next_read:
                 next_read = now + READ_S
-                if any(e.get("event") in ("failed", "hung") for e in events.new()):
-                    announced_at = now
+                new = events.new()
+                records += new
+                if any(e.get("event") in ("failed", "hung") for e in new):
+                    announced_at = announced_at or now
+                text = "".join(tail)
+                silent = only_silent_hosts_left(records,
+                                                exited_from_launcher(text),
+                                                killed_from_launcher(text))
+                silent_since = (silent_since or now) if silent else None
+                if silent and now - silent_since >= SILENT_S:
+                    say(f"every rank but those on {', '.join(silent)} ended, and none of "
+                        f"theirs said a word in {now - silent_since:.0f} s (a lost node?): "
+                        "ending the try")
+                    aborted = self._abort(proc, tail, wait_s=1.0)
+                    continue
             if announced_at is not None and now - announced_at >= self.grace_s + ENDING_S:
                 say(f"the ranks reported a failure {now - announced_at:.0f} s ago and the "
                     "launcher still runs (ranks on a lost node?): ending the try")

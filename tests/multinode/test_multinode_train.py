@@ -7,17 +7,23 @@ hostnames, node-local checkpoints that other nodes cannot read, partner copies o
 node, and a node that dies with its disk.
 
 Jobs (all tiny, sequential, one shared cluster):
-- `uninterrupted`: the transformer, 6 steps, saves at 3 and 6; before training, `spmd doctor`
+- `uninterrupted`: the transformer, 10 steps, saves every 2; before training, `spmd doctor`
   on every rank; after it, `spmd ckpt ls` on every node.
 - `fno`: the FNO on a 16x16 Darcy set, 4 steps.
-- `killed`: the transformer again, in ONE job on 5 nodes (4 + one spare, `--no-kill`) whose
-  script is the one `spmd jobscript --spare-nodes 1` renders: the ranks run under
-  spmd.launch.supervisor. The save of step 6 is held in flight (SPMD_CKPT_TEST_STALL) while
-  node3 is killed (every process by pid, its slurmd, its /local); the supervisor ends the
-  try, leaves node3 out and starts the ranks again on node1, node2, node4 and node5 in the
-  same job; they restore step 3 from the copies held on the survivors (node3's ranks from
-  their partner copies), train to the end and must match `uninterrupted` bit for bit, with
-  the first resumed step within 60 s of the kill and the recovery in `spmd report`.
+- `killed`: the transformer again, in ONE job on 5 nodes (4 + one spare, `--no-kill`,
+  `launch.elastic=shrink`) whose script is the one `spmd jobscript --spare-nodes 1` renders:
+  the ranks run under spmd.launch.supervisor. Two nodes die in it:
+  1. the local save of step 4 is held in flight (SPMD_CKPT_TEST_STALL) while node3 is killed
+     (every process by pid, its slurmd, its /local); the supervisor ends the try, leaves
+     node3 out and starts the ranks again on node1, node2, node4 and node5 (the spare) in
+     the same job; they restore step 2 from the copies held on the survivors (node3's ranks
+     from their partner copies) and must match `uninterrupted` bit for bit, with the first
+     resumed step within 60 s of the kill;
+  2. with no spare left, node4 is killed while the local save of step 8 is held (the
+     persistent step 7 committed): the supervisor shrinks the job to node1, node2 and node5,
+     6 ranks restore step 7 from the persistent tier (resharded from 8 processes) and train
+     to the end as `uninterrupted` does (same global batch and data order: equal to float
+     rounding); `spmd report` shows both recoveries.
 References for "the same run on one node": the same config in the test process, one
 process
 with 8 CPU devices (tests.helpers.training.config_losses).
@@ -44,13 +50,16 @@ from tests.helpers.fno import make_tiny_dataset, tiny_config
 from tests.helpers.netns_cluster import NetnsCluster, netns_cluster  # noqa: F401
 
 TRANSFORMER = REPO / "configs" / "transformer_tiny.yaml"
-STEPS, EVERY = 6, 3
+STEPS, EVERY = 10, 2
+PERSISTENT_EVERY = 7       # the killed job's persistent tier: step 7 only (and the last)
 NODES = ["node1", "node2", "node3", "node4"]
 RANKS_PER_NODE = 2
 SIZE = len(NODES) * RANKS_PER_NODE
 COMMON = ("run.progress=false", "run.plots=false", "run.log_every=1",
           "checkpoint.timeout_s=300", "launch.init_timeout_s=300", "run.lease_stale_s=10")
-TRAIN_T = (f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep=2", *COMMON)
+# 24 samples: 3 per rank on 8 ranks, 4 on the 6 ranks left after the shrink
+TRAIN_T = (f"train.steps={STEPS}", "train.batch_size=24", f"checkpoint.every={EVERY}",
+           "checkpoint.keep=2", *COMMON)
 JOB_TIMEOUT = 600
 
 
@@ -169,7 +178,7 @@ def test_four_nodes_train_the_transformer_as_one_node_does(uninterrupted, one_no
 def test_node_local_tier_and_partner_copies_sit_on_other_nodes(cluster, uninterrupted):
     """Read each node's own /local: its ranks' copies, and partner copies of other nodes'."""
     node_of = {r: NODES[r // RANKS_PER_NODE] for r in range(SIZE)}
-    for step in (EVERY, STEPS):
+    for step in (STEPS - EVERY, STEPS):   # keep=2
         holders: dict[int, str] = {}
         for node in NODES:
             step_dir = cluster.local(node) / "plain" / str(step)
@@ -209,12 +218,13 @@ def test_four_nodes_train_the_fno_as_one_node_does(cluster, tmp_path_factory):
     np.testing.assert_allclose([got[s] for s in sorted(got)], want, rtol=1e-6)
 
 
-def recovery_script(run_dir: Path, *overrides: str, **env: str) -> str:
+def recovery_script(run_dir: Path, stalls: dict[int, int], *overrides: str,
+                    **env: str) -> str:
     """The job script `spmd jobscript --spare-nodes 1` renders for Slurm (4 nodes to train on,
     one spare; `--no-kill`; the ranks under spmd.launch.supervisor), with two adaptations to
     this test machine: the job_env() exports (CPU JAX, MPICH over OFI) as --env, and the
-    fault env's stall (the step-6 save held in flight) switched off in the relaunched try
-    (SPMD_RECOVERY_ATTEMPT > 0), which would otherwise hold that save too."""
+    fault env's stall set per try (`stalls`: SPMD_RECOVERY_ATTEMPT -> the step whose local
+    save is held; none in the other tries)."""
     import subprocess
 
     exports = [f"{k}={v}" for k, v in (
@@ -229,91 +239,129 @@ def recovery_script(run_dir: Path, *overrides: str, **env: str) -> str:
     assert r.returncode == 0, r.stderr
     script = r.stdout
     assert "#SBATCH --no-kill" in script and "#SBATCH --nodes=5" in script, script
+    assert "--elastic shrink" in script, script
     rank_cmd = f"  {sys.executable} -m spmd.cli train "
     assert script.count(rank_cmd) == 1 and "-m spmd.launch.supervisor" in script, script
-    only_try0 = ("  /bin/bash -c '[ \"$SPMD_RECOVERY_ATTEMPT\" = 0 ] || unset "
-                 f"{STALL}; exec \"$@\"' stall-in-try-0")
-    return script.replace(rank_cmd, f"{only_try0} {rank_cmd.strip()} ")
+    cases = " ".join(f"{a}) export {STALL}={step}:600 ;;" for a, step in stalls.items())
+    per_try = (f"  /bin/bash -c 'case \"$SPMD_RECOVERY_ATTEMPT\" in {cases} *) unset {STALL} ;; "
+               "esac; exec \"$@\"' stall-per-try")
+    return script.replace(rank_cmd, f"{per_try} {rank_cmd.strip()} ")
 
 
-def test_killed_node_recovers_on_the_spare_inside_the_job(cluster, uninterrupted,
-                                                          tmp_path_factory):
-    """One job on 5 nodes (one spare, --no-kill): node3 dies while the step-6 save is in
-    flight; the supervisor relaunches the ranks on node1, 2, 4, 5 in the same job, they
-    restore step 3 from the copies on the survivors and train to the end as `uninterrupted`."""
+def test_killed_nodes_recover_on_the_spare_then_by_shrinking_inside_the_job(
+        cluster, uninterrupted, tmp_path_factory):
+    """One job on 5 nodes (one spare, --no-kill, launch.elastic=shrink): node3 dies while the
+    step-4 save is in flight, and the ranks go on on node1, 2, 4, 5 from step 2 as
+    `uninterrupted`; then node4 dies, no spare is left, and 6 ranks on node1, 2, 5 go on from
+    the persistent step 7 to the end."""
     try:
-        _killed_node_recovers(cluster, uninterrupted, tmp_path_factory)
+        _killed_nodes_recover(cluster, uninterrupted, tmp_path_factory)
     finally:
         cluster.revive_node("node3")
+        cluster.revive_node("node4")
 
 
-def _killed_node_recovers(cluster: NetnsCluster, uninterrupted: Path,
+def _wait_for(paths: list[Path], cluster: NetnsCluster, job: str, describe) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, describe()
+        assert cluster.state(job) in ("PENDING", "RUNNING"), describe()
+        time.sleep(0.5)
+
+
+def _killed_nodes_recover(cluster: NetnsCluster, uninterrupted: Path,
                           tmp_path_factory: pytest.TempPathFactory) -> None:
     run_dir = tmp_path_factory.mktemp("mn_kill") / "killed"
     run_dir.mkdir()
-    stall = fault_env(stall=f"{STEPS}:600")
-    script = recovery_script(run_dir, *TRAIN_T, "checkpoint.local_dir=/local/kill", **stall)
+    first_stall, second_stall = 2 * EVERY, 4 * EVERY        # steps 4 and 8
+    script = recovery_script(run_dir, {0: first_stall, 1: second_stall}, *TRAIN_T,
+                             "checkpoint.local_dir=/local/kill",
+                             f"checkpoint.persistent_every={PERSISTENT_EVERY}",
+                             "launch.elastic=shrink",
+                             **fault_env(stall=f"{first_stall}:600"))
     all_nodes = [*NODES, "node5"]
     job = cluster.sbatch(script, f"--nodelist={','.join(all_nodes)}",
                          "--job-name=killed", f"--output={run_dir}/slurm-killed-%j.out")
     log = run_dir / f"slurm-killed-{job}.out"
     describe = lambda: cluster.describe(job) + "\n" + (  # noqa: E731
         log.read_text(errors="replace") if log.exists() else "")
+
+    def in_flight(step: int, nodes: list[str]) -> list[Path]:
+        return [cluster.local(n) / "kill" / str(step) / f"rank{r:05d}.tmp" / "index.json"
+                for r, n in enumerate(n for n in nodes for _ in range(RANKS_PER_NODE))]
+
     try:
-        in_flight = [cluster.local(n) / "kill" / str(STEPS) / f"rank{r:05d}.tmp" / "index.json"
-                     for r, n in enumerate(n for n in NODES for _ in range(RANKS_PER_NODE))]
-        deadline = time.monotonic() + JOB_TIMEOUT
-        while not all(p.exists() for p in in_flight):
-            assert time.monotonic() < deadline, describe()
-            assert cluster.state(job) in ("PENDING", "RUNNING"), describe()
-            time.sleep(0.5)
+        _wait_for(in_flight(first_stall, NODES), cluster, job, describe)
         committed = {e["step"] for e in events(run_dir, "saved") if e.get("tier") == "local"}
         killed_at = time.time()
         pids = cluster.kill_node("node3")
         assert len(pids) >= 3, pids          # slurmd, slurmstepd(s) and the two ranks
         assert not cluster.node_pids("node3") and not cluster.local("node3").exists()
+        second_try = ["node1", "node2", "node4", "node5"]
+        persistent = run_dir / "checkpoints" / str(PERSISTENT_EVERY) / "spmd_manifest.json"
+        _wait_for([*in_flight(second_stall, second_try), persistent], cluster, job, describe)
+        shrunk_at = time.time()
+        assert cluster.kill_node("node4")
         info = cluster.wait_finished(job, timeout=JOB_TIMEOUT)
         assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 0, describe()
     finally:
         cluster.run("scancel", job, check=False)
-    assert committed == {EVERY}, committed   # step 6 was in flight, never committed
+    assert committed == {EVERY}, committed   # step 4 was in flight, never committed
 
     records = [json.loads(x) for x in (run_dir / "recovery.jsonl").read_text().splitlines()]
     launches = [r for r in records if r["event"] == "launch"]
-    (d,) = [r for r in records if r["event"] == "recovery"]
-    assert (d["kind"], d["action"], d["failed_hosts"]) == ("node_lost", "relaunch",
-                                                           ["node3"]), (d, describe())
-    assert "node3" in d["cause"] and d["exclude"] == ["node3"], d
-    assert [la["exclude"] for la in launches] == [[], ["node3"]], launches
+    spare, shrink = [r for r in records if r["event"] == "recovery"]
+    assert (spare["kind"], spare["action"], spare["failed_hosts"]) == (
+        "node_lost", "relaunch", ["node3"]), (spare, describe())
+    assert "node3" in spare["cause"] and spare["exclude"] == ["node3"], spare
+    assert (shrink["kind"], shrink["action"], shrink["failed_hosts"], shrink["nodes"]) == (
+        "node_lost", "shrink", ["node4"], 3), (shrink, describe())
+    assert "launch.elastic=shrink" in shrink["cause"], shrink
+    assert [la["exclude"] for la in launches] == [[], ["node3"], ["node3", "node4"]], launches
     assert {la["job_id"] for la in launches} == {job}, launches
-    # the same job ran both tries; the second on node1, 2, 4 and 5
+    # the same job ran the three tries: on 4 nodes, 4 nodes with the spare, 3 nodes
     starts = events(run_dir, "started")
     assert {e["job_id"] for e in starts} == {job}, starts
-    second = [e for e in starts if e["time"] >= launches[1]["time"]]
-    assert sorted(e["rank"] for e in second) == list(range(SIZE)), second
-    assert sorted({e["host"] for e in second}) == ["node1", "node2", "node4", "node5"], second
-    # the restore: step 3, the last committed, from the copies on the survivors; ranks 4
-    # and 5 (node3's) from their partner copies on node4
+    tries = [[e for e in starts if a["time"] <= e["time"] < b]
+             for a, b in zip(launches, [la["time"] for la in launches[1:]] + [float("inf")])]
+    assert [sorted({e["host"] for e in t}) for t in tries] == [
+        NODES, second_try, ["node1", "node2", "node5"]], tries
+    assert [sorted(e["rank"] for e in t) for t in tries] == [
+        list(range(SIZE)), list(range(SIZE)), list(range(6))], tries
+    # the restores: step 2 from the copies on the survivors (node3's ranks 4 and 5 from
+    # their partner copies on node4); after the shrink, step 7 from the persistent tier
     restored = events(run_dir, "restored")
-    assert restored and {e["step"] for e in restored} == {EVERY}, restored
-    assert {e["source"] for e in restored} <= {"local", "partner"}, restored
-    assert "partner" in " ".join(e.get("detail", "") for e in restored), restored
-    # the first resumed step within 60 s of the kill
+    first = [e for e in restored if e["time"] < shrunk_at]
+    after = [e for e in restored if e["time"] >= shrunk_at]
+    assert first and {e["step"] for e in first} == {EVERY}, first
+    assert {e["source"] for e in first} <= {"local", "partner"}, first
+    assert "partner" in " ".join(e.get("detail", "") for e in first), first
+    assert len(after) == 6 and {(e["step"], e["source"]) for e in after} == {
+        (PERSISTENT_EVERY, "persistent")}, after
+    # the first resumed step within 60 s of the first kill
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    resumed = [r for r in metrics if "loss" in r and float(r["time"]) > killed_at]
-    assert resumed and resumed[0]["step"] == EVERY + 1, resumed
-    first_s = float(resumed[0]["time"]) - killed_at
+    steps = [r for r in metrics if "loss" in r]
+    try0 = [r for r in steps if float(r["time"]) < killed_at]
+    try1 = [r for r in steps if killed_at < float(r["time"]) < shrunk_at]
+    try2 = [r for r in steps if float(r["time"]) > shrunk_at]
+    assert try1 and try1[0]["step"] == EVERY + 1, try1
+    first_s = float(try1[0]["time"]) - killed_at
     assert first_s < 60, f"first resumed step {first_s:.1f} s after the kill\n{describe()}"
-    # losses to the end bit-identical to the uninterrupted run
+    # on the spare: bit-identical to the uninterrupted run; shrunk: equal to float rounding
     want = losses(uninterrupted)
-    assert {r["step"]: r["loss"] for r in resumed} == {
-        s: want[s] for s in range(EVERY + 1, STEPS + 1)}, resumed
+    assert {r["step"]: r["loss"] for r in try1} == {r["step"]: want[r["step"]] for r in try1}
+    assert [r["step"] for r in try1][-1] >= PERSISTENT_EVERY, try1
+    assert [r["step"] for r in try2] == list(range(PERSISTENT_EVERY + 1, STEPS + 1)), try2
+    np.testing.assert_allclose([r["loss"] for r in try2],
+                               [want[r["step"]] for r in try2], rtol=1e-5)
+    assert max(r["loss"] for r in try2) < min(r["loss"] for r in try0), (try0, try2)
 
     r = cluster.run(sys.executable, "-m", "spmd.cli", "report", str(run_dir), "--json",
                     timeout=120, check=False)
     assert r.returncode == 0, r.stderr
-    (rec,) = json.loads(r.stdout)["recoveries"]
-    print(f"recovery: first resumed step {first_s:.1f} s after the kill; report {rec}")
+    rec, rec2 = json.loads(r.stdout)["recoveries"]
+    print(f"recovery: first resumed step {first_s:.1f} s after the kill; report {rec}; "
+          f"after the shrink {rec2}")
     assert (rec["kind"], rec["action"], rec["failed_hosts"]) == (
         "node_lost", "relaunch", ["node3"]), rec
     assert "node3" in rec["cause"] and rec["restored_step"] == EVERY, rec
@@ -322,4 +370,8 @@ def _killed_node_recovers(cluster: NetnsCluster, uninterrupted: Path,
         assert rec[key] is not None and rec[key] >= 0, (key, rec)
     # from the failure's first trace: node3's ranks' last record, before the kill
     assert rec["to_first_step_s"] >= first_s - 1, (rec, first_s)
-    assert rec["steps_computed_twice"] == STEPS - EVERY, rec
+    # try 0 reached the held save of step 4 at least (its metrics may lag behind the steps)
+    assert rec["steps_computed_twice"] >= first_stall - EVERY, rec
+    assert (rec2["action"], rec2["failed_hosts"], rec2["nodes_before"], rec2["nodes_after"],
+            rec2["restored_step"]) == ("shrink", ["node4"], 4, 3, PERSISTENT_EVERY), rec2
+    assert rec2["steps_computed_twice"] >= second_stall - PERSISTENT_EVERY, rec2

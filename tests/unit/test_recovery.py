@@ -32,6 +32,7 @@ from spmd.launch.recovery import (
     expand_hostlist,
     failed_nodes_from_launcher,
     killed_from_launcher,
+    only_silent_hosts_left,
 )
 
 HOSTS = ("n1", "n2", "n3", "n4", "n5")
@@ -614,20 +615,40 @@ def test_a_host_the_scheduler_reports_down_ends_the_try(bindir, tmp_path):
 
 @pytest.mark.slow   # runs the supervisor and its stand-in launchers
 def test_a_launcher_that_outlives_the_ranks_failure_is_ended(bindir, tmp_path):
-    # a survivor announced a network error; the launcher waits on a lost node's tasks
-    stuck = {"events": [{"event": "started", "rank": 0, "host": "n1"},
-                        {"event": "started", "rank": 1, "host": "n2"},
-                        {"event": "failed", "rank": 0, "host": "n1", "first": True,
-                         "exit_code": 1, "error": "Gloo connection reset by peer"}],
-             "stderr": "srun: error: n1: task 0: Exited with exit code 1\n", "hang": 60}
+    """Try 0: a survivor announced a network error, srun reported no exit (still waiting on
+    everything): ended ENDING_S after the announcement. Try 1: srun reported rank 0's exit
+    and waits on n2, whose rank said nothing: ended SILENT_S later, n2 left out."""
+    started = [{"event": "started", "rank": 0, "host": "n1"},
+               {"event": "started", "rank": 1, "host": "n2"}]
+    failed = {"event": "failed", "rank": 0, "host": "n1", "first": True, "exit_code": 1,
+              "error": "Gloo connection reset by peer"}
+    announced = {"events": [*started, failed], "stderr": "", "hang": 60}
+    stuck = {"events": [*started, failed], "hang": 60,
+             "stderr": "srun: error: n1: task 0: Exited with exit code 1\n"}
     t0 = time.monotonic()
     code, err, run_dir = supervise(
-        tmp_path, bindir, "slurm", "srun -N{nodes}", [stuck, FINISHES], "--max-restarts", "1",
-        "--grace", "1", "--poll", "0", env={"SLURM_JOB_NODELIST": "n[1-3]"})
-    assert code == 0 and time.monotonic() - t0 < 40, err
+        tmp_path, bindir, "slurm", "srun -N{nodes}", [announced, stuck, FINISHES],
+        "--max-restarts", "2", "--grace", "0", "--poll", "0",
+        env={"SLURM_JOB_NODELIST": "n[1-4]"})
+    assert code == 0 and time.monotonic() - t0 < 45, err
     assert "the ranks reported a failure" in err and "ending the try" in err
-    decision = records(run_dir)[1]
-    assert decision["kind"] == "node_lost" and decision["exclude"] == ["n2"], decision
+    assert "every rank but those on n2 ended, and none of theirs said a word" in err, err
+    d0, d1 = (r for r in records(run_dir) if r["event"] == "recovery")
+    assert (d0["kind"], d0["exclude"]) == ("process_lost", []), d0
+    assert (d1["kind"], d1["exclude"]) == ("node_lost", ["n2"]), d1
+    assert "vanished with every rank on it" in d1["cause"], d1
+
+
+def test_only_silent_hosts_left_needs_every_other_rank_accounted_for():
+    recs = [{"event": "started", "rank": r, "host": h}
+            for r, h in enumerate(["n1", "n1", "n2", "n2", "n3", "n3"])]
+    assert only_silent_hosts_left(recs, {0, 1, 2, 3}, {}) == ["n3"]
+    assert only_silent_hosts_left(recs, {0, 1, 2}, {}) == []        # rank 3 may still end
+    assert only_silent_hosts_left(recs, {0, 1, 2}, {3: "Killed"}) == ["n3"]
+    ended = [*recs, {"event": "failed", "rank": 3}]
+    assert only_silent_hosts_left(ended, {0, 1, 2}, {}) == ["n3"]    # an end record counts
+    assert only_silent_hosts_left(recs, {0, 1, 2, 3, 4}, {}) == []  # n3 said something
+    assert only_silent_hosts_left(recs, set(), {}) == []            # no exits reported
 
 
 @pytest.mark.slow   # runs the supervisor and its stand-in launchers
