@@ -106,6 +106,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.signalled: int | None = None
         self.grace_s, self.poll_s = GRACE_S, POLL_S
+        self.ending_s, self.silent_s = ENDING_S, SILENT_S
         self.before_abort: str | None = None   # the launcher's report when we ended the try
 
     # ------------------------------------------------------------ signals
@@ -153,7 +154,7 @@ class Supervisor:
         peer on another host may wait for the heartbeat timeout), or a host the try's ranks
         run on (their `started` records) that the scheduler reports down (checked every
         `poll_s`), or a launcher that waits only for hosts none of whose ranks said a word
-        while every other rank has ended (`SILENT_S` later: a lost node, seen long before the
+        while every other rank has ended (`silent_s` later: a lost node, seen long before the
         scheduler marks it down)."""
         broken_at: float | None = None
         silent_since: float | None = None
@@ -196,13 +197,13 @@ class Supervisor:
                                                 exited_from_launcher(text),
                                                 killed_from_launcher(text))
                 silent_since = (silent_since or now) if silent else None
-                if silent and now - silent_since >= SILENT_S:
+                if silent and now - silent_since >= self.silent_s:
                     say(f"every rank but those on {', '.join(silent)} ended, and none of "
                         f"theirs said a word in {now - silent_since:.0f} s (a lost node?): "
                         "ending the try")
                     aborted = self._abort(proc, tail, wait_s=1.0)
                     continue
-            if announced_at is not None and now - announced_at >= self.grace_s + ENDING_S:
+            if announced_at is not None and now - announced_at >= self.grace_s + self.ending_s:
                 say(f"the ranks reported a failure {now - announced_at:.0f} s ago and the "
                     "launcher still runs (ranks on a lost node?): ending the try")
                 aborted = self._abort(proc, tail)
@@ -344,6 +345,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--poll", type=float, default=POLL_S, metavar="S",
                    help="seconds between looks at the scheduler's node states during a try "
                         "(0: only after it)")
+    p.add_argument("--ending", type=float, default=ENDING_S, metavar="S",
+                   help="a failure's ranks end within S seconds of its announcement: past "
+                        "grace + S the try is ended")
+    p.add_argument("--silent", type=float, default=SILENT_S, metavar="S",
+                   help="end a try S seconds after every rank but those of some hosts ended "
+                        "and none of theirs said a word")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- each rank's command")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -365,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.nodes} to train on")
     sup = Supervisor(args.scheduler, args.run_dir, args.launcher, args.command, plan)
     sup.grace_s, sup.poll_s = args.grace, args.poll
+    sup.ending_s, sup.silent_s = args.ending, args.silent
     sup.install()
     return sup.run()
 

@@ -616,8 +616,8 @@ def test_a_host_the_scheduler_reports_down_ends_the_try(bindir, tmp_path):
 @pytest.mark.slow   # runs the supervisor and its stand-in launchers
 def test_a_launcher_that_outlives_the_ranks_failure_is_ended(bindir, tmp_path):
     """Try 0: a survivor announced a network error, srun reported no exit (still waiting on
-    everything): ended ENDING_S after the announcement. Try 1: srun reported rank 0's exit
-    and waits on n2, whose rank said nothing: ended SILENT_S later, n2 left out."""
+    everything): ended grace + --ending after the announcement. Try 1: srun reported rank 0's
+    exit and waits on n2, whose rank said nothing: ended --silent later, n2 left out."""
     started = [{"event": "started", "rank": 0, "host": "n1"},
                {"event": "started", "rank": 1, "host": "n2"}]
     failed = {"event": "failed", "rank": 0, "host": "n1", "first": True, "exit_code": 1,
@@ -628,9 +628,9 @@ def test_a_launcher_that_outlives_the_ranks_failure_is_ended(bindir, tmp_path):
     t0 = time.monotonic()
     code, err, run_dir = supervise(
         tmp_path, bindir, "slurm", "srun -N{nodes}", [announced, stuck, FINISHES],
-        "--max-restarts", "2", "--grace", "0", "--poll", "0",
+        "--max-restarts", "2", "--grace", "0", "--poll", "0", "--ending", "3", "--silent", "1",
         env={"SLURM_JOB_NODELIST": "n[1-4]"})
-    assert code == 0 and time.monotonic() - t0 < 45, err
+    assert code == 0 and time.monotonic() - t0 < 30, err
     assert "the ranks reported a failure" in err and "ending the try" in err
     assert "every rank but those on n2 ended, and none of theirs said a word" in err, err
     d0, d1 = (r for r in records(run_dir) if r["event"] == "recovery")
