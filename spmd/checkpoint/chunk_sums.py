@@ -15,14 +15,14 @@ and `spmd ckpt verify` check every chunk against them.
 Which chunks: Orbax writes each array as Zarr v3 with one chunk per shard (the grid's chunk
 shape is also the inner chunk shape), whose shape is the region one replica writes: a
 device's shard, or with replica-parallel writes 1/n of it along the first axis that n
-divides (`replica_slices.get_replica_slices`' `local_shape`), cut smaller where that exceeds
-the OCDBT target file size (2 GiB: `subchunking.choose_chunk_shape`). `ChunkSums` predicts
-that shape with these functions of Orbax's; after
-the write, `result` compares it with the chunk shapes Orbax recorded
-(`<item>/array_metadatas/process_<rank>`, else the array's `zarr.json`) and recomputes any
-array it predicted wrong from the arrays, which it holds until then (never from the files).
-Each process sums the chunks inside its replica-0 shards; those shards of all processes
-partition every array, so the ranks' maps together name each chunk once.
+divides, cut smaller where that exceeds the OCDBT target file size (2 GiB). `ChunkSums` asks
+Orbax's own functions which regions this process writes (`replica_slices.
+get_replica_slices`) and in which chunk shape (`subchunking.choose_chunk_shape`), so each
+process sums exactly the chunks it writes and the ranks' maps together name each chunk once.
+After the write, `result` compares the chunk shapes with those Orbax recorded
+(`<item>/array_metadatas/process_<rank>`, else the array's `zarr.json`) and sums any array
+predicted wrong again from the arrays, which it holds until then (never from the files; on
+an accelerator that keeps the snapshot's device arrays alive until the step is committed).
 """
 
 from __future__ import annotations
@@ -54,66 +54,83 @@ def _region(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
+Piece = tuple[tuple[tuple[int, int], ...], Any, tuple[slice, ...]]   # region, data, cut
+
+
 def _host(data: Any) -> np.ndarray:
     """A shard's values on the host (zero-copy for CPU arrays and host numpy arrays)."""
     return np.asarray(data)
 
 
-def leaf_sums(name: str, leaf: Any, chunk_shape: tuple[int, ...]) -> dict[str, str]:
-    """{chunk key: crc32c hex} of the chunks of `chunk_shape` inside this process's replica-0
-    shards of `leaf` (a jax.Array; a numpy array counts as one shard, process 0's)."""
+def written_pieces(leaf: Any) -> tuple[tuple[int, ...], list[Piece]]:
+    """(the region shape one replica writes, [(region of the array, the shard's data, the cut
+    of that data that is the region)] this process writes), as Orbax decides them
+    (`get_replica_slices`); without it, this process's replica-0 shards."""
     if isinstance(leaf, np.ndarray) or np.isscalar(leaf):
-        import jax
+        import jax  # Orbax writes host arrays from process 0
 
-        if jax.process_index() != 0:
-            return {}
         shape = tuple(np.shape(leaf))
-        shards = [(tuple((0, n) for n in shape), leaf)]
-    else:
-        shape = tuple(leaf.shape)
-        shards = [(_region(s.index, shape), s.data) for s in leaf.addressable_shards
-                  if s.replica_id == 0]
+        mine = jax.process_index() == 0
+        return shape, [(tuple((0, n) for n in shape), leaf, ())] if mine else []
+    shape = tuple(leaf.shape)
+    try:
+        import jax
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint._src.serialization import replica_slices
+
+        handler = ocp.type_handlers.get_type_handler(jax.Array)
+        found = replica_slices.get_replica_slices(
+            leaf, getattr(handler, "_replica_id", 0) or 0,
+            bool(getattr(handler, "_use_replica_parallel", True)),
+            getattr(handler, "_min_slice_bytes_for_replica_parallel", None),
+            getattr(handler, "_max_replicas_for_replica_parallel", None))
+        pieces = []
+        for r in found.replica_slices:
+            cut = r.slice_args
+            pieces.append((_region(r.index, shape), r.unsliced_data, () if cut is None else tuple(
+                slice(cut.start_index, cut.limit_index) if axis == cut.axis else slice(None)
+                for axis in range(len(shape)))))
+        return tuple(found.local_shape), pieces
+    except Exception:   # another Orbax: replica-0 shards; `result` corrects the chunk shape
+        return (tuple(leaf.addressable_shards[0].data.shape),
+                [(_region(s.index, shape), s.data, ()) for s in leaf.addressable_shards
+                 if s.replica_id == 0])
+
+
+def predicted_chunk_shape(leaf: Any, write_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The chunk shape Orbax will choose for `leaf` written in regions of `write_shape`:
+    that shape, cut where it exceeds the OCDBT target file size (Orbax's functions)."""
+    try:
+        from orbax.checkpoint._src.arrays import subchunking
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tu
+
+        dtype = np.dtype(leaf.dtype)
+        limit = tu.calculate_chunk_byte_size(write_shape, dtype, chunk_byte_size=None)
+        return tuple(subchunking.choose_chunk_shape(tuple(np.shape(leaf)), write_shape, dtype,
+                                                    limit))
+    except Exception:   # another Orbax: `result` corrects it if wrong
+        return write_shape
+
+
+def leaf_sums(name: str, pieces: list[Piece], chunk_shape: tuple[int, ...]) -> dict[str, str]:
+    """{chunk key: crc32c hex} of the chunks of `chunk_shape` inside the regions `pieces`
+    (this process's, `written_pieces`) of array `name`."""
     out: dict[str, str] = {}
-    for region, data in shards:
+    for region, data, cut in pieces:
         extent = tuple(b - a for a, b in region)
         if math.prod(extent) == 0:
             continue   # nothing stored
         if len(chunk_shape) != len(extent) or any(
                 c <= 0 or n % c or a % c for (a, _), n, c in zip(region, extent, chunk_shape)):
             raise CheckpointError(
-                f"{name}: Orbax's chunks {list(chunk_shape)} do not tile the shard at "
-                f"{[list(r) for r in region]}: its chunk checksums cannot be computed")
-        host = _host(data)
+                f"{name}: Orbax's chunks {list(chunk_shape)} do not tile the region "
+                f"{[list(r) for r in region]} it wrote: its chunk checksums cannot be computed")
+        host = _host(data)[cut] if cut else _host(data)
         for cell in np.ndindex(*(n // c for n, c in zip(extent, chunk_shape))):
             part = host[tuple(slice(i * c, (i + 1) * c) for i, c in zip(cell, chunk_shape))]
             key = chunk_key(name, [a // c + i for (a, _), c, i in zip(region, chunk_shape, cell)])
             out[key] = hex32(crc32c(part))
     return out
-
-
-def predicted_chunk_shape(leaf: Any) -> tuple[int, ...]:
-    """The chunk shape Orbax will choose for `leaf`: the region one replica writes."""
-    if isinstance(leaf, np.ndarray) or np.isscalar(leaf):
-        return tuple(np.shape(leaf))
-    try:
-        import jax
-        import orbax.checkpoint as ocp
-        from orbax.checkpoint._src.arrays import subchunking
-        from orbax.checkpoint._src.serialization import replica_slices
-        from orbax.checkpoint._src.serialization import tensorstore_utils as tu
-
-        handler = ocp.type_handlers.get_type_handler(jax.Array)
-        write_shape = tuple(replica_slices.get_replica_slices(
-            leaf, getattr(handler, "_replica_id", 0) or 0,
-            bool(getattr(handler, "_use_replica_parallel", True)),
-            getattr(handler, "_min_slice_bytes_for_replica_parallel", None),
-            getattr(handler, "_max_replicas_for_replica_parallel", None)).local_shape)
-        dtype = np.dtype(leaf.dtype)   # a write above the OCDBT target file size is cut
-        limit = tu.calculate_chunk_byte_size(write_shape, dtype, chunk_byte_size=None)
-        return tuple(subchunking.choose_chunk_shape(tuple(leaf.shape), write_shape, dtype,
-                                                    limit))
-    except Exception:   # another Orbax: the shard's shape; `result` corrects it if wrong
-        return tuple(leaf.addressable_shards[0].data.shape)
 
 
 def recorded_chunk_shapes(item_dir: Path, rank: int, names: set[str]) -> dict[str, tuple]:
@@ -152,13 +169,16 @@ class ChunkSums:
         except ImportError as e:
             raise CheckpointError(f"this Orbax names leaves unknown ways ({e}): persistent "
                                   "chunk checksums cannot be computed") from e
-        self._leaves: dict[str, list[tuple[str, Any, tuple[int, ...]]]] = {}
+        self._leaves: dict[str, list[tuple[str, list[Piece], tuple[int, ...]]]] = {}
         for item, tree in items.items():
             flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-            self._leaves[item] = [(names_of(path), leaf, predicted_chunk_shape(leaf))
-                                  for path, leaf in flat]
+            self._leaves[item] = []
+            for path, leaf in flat:
+                write_shape, pieces = written_pieces(leaf)
+                self._leaves[item].append(
+                    (names_of(path), pieces, predicted_chunk_shape(leaf, write_shape)))
         self._sums: dict[str, dict[str, dict[str, str]]] = {}
-        self._error: BaseException | None = None
+        self._errors: dict[tuple[str, str], Exception] = {}
         self._thread = threading.Thread(target=self._run, name="spmd-ckpt-chunk-crc",
                                         daemon=True)
         self.seconds = 0.0   # the thread's time (the crc32c of every chunk; zero-copy on CPU)
@@ -169,12 +189,13 @@ class ChunkSums:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        try:
-            for item, leaves in self._leaves.items():
-                self._sums[item] = {name: leaf_sums(name, leaf, shape)
-                                    for name, leaf, shape in leaves}
-        except BaseException as e:   # raised by `result`
-            self._error = e
+        for item, leaves in self._leaves.items():
+            self._sums[item] = {}
+            for name, pieces, shape in leaves:
+                try:
+                    self._sums[item][name] = leaf_sums(name, pieces, shape)
+                except Exception as e:   # raised by `result` unless the shape was wrong
+                    self._errors[(item, name)] = e
         self.seconds = time.perf_counter() - t0
 
     def result(self, step_dir: Path, rank: int) -> dict[str, dict[str, str]]:
@@ -184,14 +205,12 @@ class ChunkSums:
             self._thread.start()
         self._thread.join()
         try:
-            if self._error is not None:
-                raise self._error
             out: dict[str, dict[str, str]] = {}
             for item, leaves in self._leaves.items():
                 names = {name for name, _, _ in leaves}
                 shapes = recorded_chunk_shapes(step_dir / item, rank, names)
                 sums = self._sums[item]
-                for name, leaf, predicted in leaves:
+                for name, pieces, predicted in leaves:
                     actual = shapes.get(name)
                     if actual is None:
                         raise CheckpointError(f"{step_dir / item}: Orbax recorded no chunk "
@@ -199,7 +218,9 @@ class ChunkSums:
                     if actual != predicted:
                         log.info("persistent save: %s/%s has chunks %s (not %s): summed again "
                                  "after the write", item, name, list(actual), list(predicted))
-                        sums[name] = leaf_sums(name, leaf, actual)
+                        sums[name] = leaf_sums(name, pieces, actual)
+                    elif (item, name) in self._errors:
+                        raise self._errors[(item, name)]
                 out[item] = {k: v for per in sums.values() for k, v in per.items()}
             return out
         finally:

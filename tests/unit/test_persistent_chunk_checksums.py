@@ -279,7 +279,7 @@ def test_chunks_predicted_wrong_are_summed_again_after_the_write(saved, tmp_path
     from spmd.checkpoint import chunk_sums
 
     monkeypatch.setattr(chunk_sums, "predicted_chunk_shape",
-                        lambda leaf: tuple(leaf.addressable_shards[0].data.shape))
+                        lambda leaf, _: tuple(leaf.addressable_shards[0].data.shape))
     run_dir = tmp_path / "run"
     ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
     ck.maybe_save(4, _state(4))
