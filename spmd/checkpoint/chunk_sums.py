@@ -174,6 +174,9 @@ class ChunkSums:
             flat, _ = jax.tree_util.tree_flatten_with_path(tree)
             self._leaves[item] = []
             for path, leaf in flat:
+                if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(
+                        leaf.dtype, jax.dtypes.prng_key):
+                    leaf = jax.random.key_data(leaf)   # what Orbax writes of a typed key
                 write_shape, pieces = written_pieces(leaf)
                 self._leaves[item].append(
                     (names_of(path), pieces, predicted_chunk_shape(leaf, write_shape)))

@@ -145,7 +145,10 @@ class _Array:
                 or meta.get("storage_transformers")):
             raise Unsupported(f"{name}: not a plain Zarr v3 array")
         self.name, self.shape = name, tuple(meta.get("shape", ()))
-        self.dtype = np.dtype(leaf.dtype)
+        try:
+            self.dtype = np.dtype(leaf.dtype)
+        except TypeError as e:   # a typed PRNG key: Orbax rebuilds it from its key data
+            raise Unsupported(f"{name}: the target's dtype {leaf.dtype}") from e
         if self.shape != tuple(leaf.shape) or meta.get("data_type") != self.dtype.name:
             raise Unsupported(f"{name}: stored {meta.get('data_type')}{list(self.shape)}, "
                               f"target {self.dtype.name}{list(leaf.shape)}")

@@ -309,3 +309,27 @@ def test_shards_orbax_cuts_into_several_chunks_are_summed_per_chunk(saved, tmp_p
     got = ck.restore(_abstract(saved[1][4]))
     ck.close()
     assert (got.step, got.source) == (4, "persistent") and _same(got.state, saved[1][4])
+
+
+def test_typed_prng_keys_are_summed_as_the_key_data_orbax_writes(tmp_path):
+    """A typed key (`jax.random.key`) is written by Orbax as its uint32 key data: its chunk's
+    crc32c is that data's, the step verifies, and restores (Orbax rebuilds the key)."""
+    from spmd.checkpoint.persistent import PersistentTier
+    from spmd.comm.agreement import Coordinator
+
+    state = {**_state(2), "key": jax.random.key(7)}
+    tier = PersistentTier(tmp_path / "ckpt", 0, 1, 1, 1, 60.0, False,
+                          Coordinator(0, 1, 60.0, "typed-keys-test"))
+    try:
+        tier.start_save(2, state)
+        assert tier.finish_save(2)["ok"]
+        step_dir = tier.step_dir(2)
+        manifest = read_manifest(step_dir)
+        want = np.asarray(jax.random.key_data(state["key"])).tobytes()
+        assert manifest["chunks"]["train_state"]["key/c/0"] == hex32(google_crc32c.value(want))
+        assert verify_files(step_dir, manifest, 0, 1) == []
+        got, _ = tier.restore(2, _abstract(state))
+    finally:
+        tier.close()
+    assert np.array_equal(jax.random.key_data(got["key"]), jax.random.key_data(state["key"]))
+    assert _same(got["params"], state["params"])
