@@ -20,7 +20,9 @@ Jobs (all tiny, sequential, one shared cluster):
      from their partner copies) and must match `uninterrupted` bit for bit, with the first
      resumed step within 60 s of the kill;
   2. with no spare left, node4 is killed while the local save of step 8 is held (the
-     persistent step 7 committed): the supervisor shrinks the job to node1, node2 and node5,
+     persistent step 7 committed) and marked down in Slurm at once (the scheduler's report
+     of a lost node, where node3's loss is seen from the ranks and srun's report): the
+     supervisor shrinks the job to node1, node2 and node5,
      6 ranks restore step 7 from the persistent tier (resharded from 8 processes) and train
      to the end as `uninterrupted` does (same global batch and data order: equal to float
      rounding); `spmd report` shows both recoveries.
@@ -301,7 +303,9 @@ def _killed_nodes_recover(cluster: NetnsCluster, uninterrupted: Path,
         persistent = run_dir / "checkpoints" / str(PERSISTENT_EVERY) / "spmd_manifest.json"
         _wait_for([*in_flight(second_stall, second_try), persistent], cluster, job, describe)
         shrunk_at = time.time()
-        assert cluster.kill_node("node4")
+        # this time Slurm is told at once (a scheduler that noticed): the supervisor's sinfo
+        # path, where node3's loss took the silent-host one (or Slurm's own detection)
+        assert cluster.kill_node("node4", mark_down=True)
         info = cluster.wait_finished(job, timeout=JOB_TIMEOUT)
         assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 0, describe()
     finally:
@@ -317,6 +321,7 @@ def _killed_nodes_recover(cluster: NetnsCluster, uninterrupted: Path,
     assert (shrink["kind"], shrink["action"], shrink["failed_hosts"], shrink["nodes"]) == (
         "node_lost", "shrink", ["node4"], 3), (shrink, describe())
     assert "launch.elastic=shrink" in shrink["cause"], shrink
+    assert "node4 is down for the scheduler" in shrink["cause"], shrink
     assert [la["exclude"] for la in launches] == [[], ["node3"], ["node3", "node4"]], launches
     assert {la["job_id"] for la in launches} == {job}, launches
     # the same job ran the three tries: on 4 nodes, 4 nodes with the spare, 3 nodes
