@@ -15,8 +15,8 @@ guarantee as before: no byte reaches the state unchecked, and a damaged chunk fa
 It reads only what it fully understands: a step whose every target leaf is a Zarr v3 array
 written by spmd's persistent tier (`sharding_indexed`, chunks `bytes` + `crc32c`, or `bytes`
 with the manifest's crc32c of each, index at the end with its crc32c, no compression), whose
-shape and dtype equal the target's, onto a
-target with shardings, whose set of arrays is the target's (or a superset, `partial`).
+shape and dtype equal the target's, onto a target with shardings, whose set of arrays is the
+target's (or a superset, `partial`).
 Anything else (steps of older formats, compressed steps, another model) raises `Unsupported`
 and Orbax reads the step as before (and raises its own error where the step does not fit).
 Any mesh works: a device's region is cut from the chunks it overlaps.
