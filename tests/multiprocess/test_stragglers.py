@@ -118,14 +118,18 @@ def test_an_even_run_names_no_one(runs):
 
 
 def test_a_rank_frozen_half_of_every_second_is_named_for_not_running(runs):
-    """Its host step time is no longer than the other's (both wait inside collectives); the
-    share of the time it did not run is about one half, the other rank's about none."""
+    """Its host step time is about the other's (both wait inside collectives); the share of
+    the time it did not run is about one half, the other rank's about none. (On a loaded
+    machine its step time can also pass the factor now and then: a record without a `cause`
+    naming the same rank.)"""
     run_dir = runs["frozen"]
     started = {e["rank"]: e["host"] for e in events(run_dir, "started")}
     named = events(run_dir, "straggler")
     assert named and {e["rank"] for e in named} == {1}, named
-    event = named[0]
-    assert event["cause"] == "stalled" and event["host"] == started[1]
+    stalled = [e for e in named if e.get("cause") == "stalled"]
+    assert stalled, named
+    event = stalled[0]
+    assert event["host"] == started[1], event
     assert 0.3 < event["stalled_share"] < 0.8, event        # half of every second
     assert event["median_stalled_share"] < 0.6 * event["stalled_share"], event
     logs = (run_dir / "logs" / "rank00000.log").read_text()
