@@ -205,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                  "last, so that each save's background write falls inside the window")
     if args.gb is not None:
         args.mb = int(args.gb * 1024)
+    if args.dir is not None:
+        try:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--dir {args.dir}: cannot create it ({e.strerror})")
     base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or Path.cwd()))
     try:
         return run(args, base)
