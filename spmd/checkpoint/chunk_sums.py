@@ -21,8 +21,10 @@ get_replica_slices`) and in which chunk shape (`subchunking.choose_chunk_shape`)
 process sums exactly the chunks it writes and the ranks' maps together name each chunk once.
 After the write, `result` compares the chunk shapes with those Orbax recorded
 (`<item>/array_metadatas/process_<rank>`, else the array's `zarr.json`) and sums any array
-predicted wrong again from the arrays, which it holds until then (never from the files; on
-an accelerator that keeps the snapshot's device arrays alive until the step is committed).
+predicted wrong again from the host copies the pass made (never from the files). The pass
+holds the arrays it was handed only until it has read them (`wait_pass`): on an accelerator,
+the snapshot's device copy is then free to go before the next save takes one (a host copy
+of this process's shards is kept until `result`; on CPU a view, no copy).
 """
 
 from __future__ import annotations
@@ -194,12 +196,20 @@ class ChunkSums:
         t0 = time.perf_counter()
         for item, leaves in self._leaves.items():
             self._sums[item] = {}
-            for name, pieces, shape in leaves:
-                try:
+            for i, (name, pieces, shape) in enumerate(leaves):
+                try:   # host copies in place of the arrays (zero-copy views on CPU)
+                    pieces = [(region, _host(data), cut) for region, data, cut in pieces]
+                    leaves[i] = (name, pieces, shape)
                     self._sums[item][name] = leaf_sums(name, pieces, shape)
                 except Exception as e:   # raised by `result` unless the shape was wrong
                     self._errors[(item, name)] = e
         self.seconds = time.perf_counter() - t0
+
+    def wait_pass(self) -> None:
+        """Until the pass has read every array it was handed: from then on it holds only
+        host copies, and the snapshot the arrays came from can be released."""
+        if self._thread.ident is not None:
+            self._thread.join()
 
     def result(self, step_dir: Path, rank: int) -> dict[str, dict[str, str]]:
         """{item: {chunk key: crc32c}} of this process's chunks, once Orbax has written the

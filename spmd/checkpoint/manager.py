@@ -473,6 +473,7 @@ class HierarchicalCheckpointer:
                 arrays = snap.arrays()
                 persistent.start_save(step, arrays)   # Orbax's copy of the snapshot
                 del arrays
+                persistent.release_arrays(step)   # the chunk checksums' pass read them
             except Exception as e:
                 error = (f"rank {self.rank}: persistent save of step {step} to "
                          f"{persistent.step_dir(step)} failed to start: {type(e).__name__}: {e}")

@@ -302,6 +302,14 @@ class PersistentTier:
         if sums is not None:   # the crc32c of the chunks, while Orbax writes them
             self._sums[step] = sums.start()
 
+    def release_arrays(self, step: int) -> None:
+        """Return once nothing of this save refers to the arrays `start_save` was handed
+        (Orbax has its own copy; the chunk checksums' pass has read them): the snapshot can
+        be released, and on an accelerator its device copy freed before the next save."""
+        sums = self._sums.get(step)
+        if sums is not None:
+            sums.wait_pass()
+
     def finish_save(self, step: int, error: str | None = None,
                     params_finite: bool | None = None) -> dict:
         """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0).

@@ -333,3 +333,21 @@ def test_typed_prng_keys_are_summed_as_the_key_data_orbax_writes(tmp_path):
         tier.close()
     assert np.array_equal(jax.random.key_data(got["key"]), jax.random.key_data(state["key"]))
     assert _same(got["params"], state["params"])
+
+
+def test_the_checksums_pass_lets_go_of_the_arrays_it_was_handed():
+    """After `wait_pass` (the persistent tier's `release_arrays`, before the snapshot is
+    released) the pass holds host arrays only: on an accelerator the snapshot's device copy
+    can go before the next save takes one. Its sums are those of the values."""
+    from spmd.checkpoint.chunk_sums import ChunkSums
+
+    state = _state(5)
+    sums = ChunkSums({"params": state["params"]}).start()
+    sums.wait_pass()
+    held = [data for leaves in sums._leaves.values() for _, pieces, _ in leaves
+            for _, data, _ in pieces]
+    assert held and all(type(d) is np.ndarray for d in held), [type(d) for d in held]
+    w = np.asarray(state["params"]["w"])
+    shard = w[:ROWS // 2, :64]   # the chunk of device 0 (data 0, tensor 0)
+    assert sums._sums["params"]["w"]["w/c/0/0"] == hex32(google_crc32c.value(
+        np.ascontiguousarray(shard).tobytes()))
