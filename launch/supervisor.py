@@ -60,7 +60,8 @@ POLL_S = 5.0     # between two looks at the scheduler's node states during a try
 READ_S = 2.0     # between two reads of the ranks' new records during a try
 ENDING_S = 10.0  # a failure's ranks end within this (spmd.comm.job_failure's waits)
 DOWN_WAIT_S = 5.0  # srun's abort of a try with a host down: the live ranks end within this
-SILENT_S = 5.0   # every rank off some hosts ended, none of theirs said a word: end it then
+SILENT_S = ENDING_S   # every rank off some hosts ended and none of theirs said a word in
+                      # the time a failure's ranks take to end: their hosts are lost
 
 
 class _Follow:
