@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spmd.checkpoint.files import crc32c
+from spmd.checkpoint.files import crc32c, hex32
 
 log = logging.getLogger("spmd.checkpoint")
 
@@ -164,6 +164,20 @@ def _shard_layout(zarr_json: bytes) -> tuple[int, bool] | None:
     return None
 
 
+def chunk_problem(i: int, chunk: Any, want: str | None) -> str | None:
+    """What is wrong with chunk `i` of a shard, else None: `chunk` its stored bytes (None: the
+    shard's index marks it absent), `want` the step manifest's crc32c of it (format /3), or
+    None when the chunk ends in its own crc32c (the codec: formats /2, compressed steps). The
+    one check of a chunk, for spmd's reader and the file-by-file check alike."""
+    if want is None:
+        return None if chunk is None or crc32c(chunk) == RESIDUE else \
+            f"chunk {i} fails its crc32c"
+    if chunk is None:   # Orbax stores every chunk (store_data_equal_to_fill_value)
+        return f"its index marks chunk {i} absent, the step's manifest has its crc32c"
+    return None if hex32(crc32c(chunk)) == want else \
+        f"chunk {i} fails its crc32c (the manifest's)"
+
+
 def _check_value(f: Any, offset: int, length: int, chunks: int, chunk_crc: bool,
                  want: str | None = None) -> str | None:
     """Problem with the Zarr shard at `offset` of open file `f` (index at its end, crc32c
@@ -182,20 +196,17 @@ def _check_value(f: Any, offset: int, length: int, chunks: int, chunk_crc: bool,
                 if want is None else f"{chunks} chunks per shard carry no crc32c")
     for i in range(chunks):
         start, nbytes = struct.unpack_from("<QQ", index, 16 * i)
-        if start == MISSING and nbytes == MISSING:
-            if not chunk_crc:   # Orbax stores every chunk (store_data_equal_to_fill_value)
-                return f"its index marks chunk {i} absent, the step's manifest has its crc32c"
-            continue
-        if nbytes < (4 if chunk_crc else 0) or start + nbytes > length - size:
-            return f"chunk {i} lies outside the shard ({start}+{nbytes})"
-        f.seek(offset + start)
-        chunk = f.read(nbytes)
-        if len(chunk) != nbytes:
-            return f"chunk {i} lies outside the file"
-        if chunk_crc and crc32c(chunk) != RESIDUE:
-            return f"chunk {i} fails its crc32c"
-        if not chunk_crc and f"{crc32c(chunk):08x}" != want:
-            return f"chunk {i} fails its crc32c (the manifest's)"
+        chunk = None
+        if not (start == MISSING and nbytes == MISSING):
+            if nbytes < (4 if chunk_crc else 0) or start + nbytes > length - size:
+                return f"chunk {i} lies outside the shard ({start}+{nbytes})"
+            f.seek(offset + start)
+            chunk = f.read(nbytes)
+            if len(chunk) != nbytes:
+                return f"chunk {i} lies outside the file"
+        problem = chunk_problem(i, chunk, None if chunk_crc else want)
+        if problem is not None:
+            return problem
     return None
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.checkpoint.chunks import MISSING, RESIDUE, item_values
+from spmd.checkpoint.chunks import MISSING, RESIDUE, chunk_problem, item_values
 from spmd.checkpoint.files import crc32c
 from spmd.checkpoint.interface import CheckpointError
 
@@ -190,18 +190,12 @@ class _Array:
     def check(self, src: _Source, key: str, j: int, buf: np.ndarray | None) -> None:
         """Raise `DamagedChunk` unless chunk `j` of shard `key` (`buf`: its stored bytes;
         None: the index marks it absent) is what was written."""
-        if self.sums is None:
-            if buf is not None and not _crc_ok(buf):
-                raise DamagedChunk(f"{src.where(key)}: chunk {j} fails its crc32c")
-            return
-        want = self.sums.get(key)
-        if want is None:
+        want = None if self.sums is None else self.sums.get(key)
+        if self.sums is not None and want is None:
             raise DamagedChunk(f"{src.where(key)}: the step's manifest has no crc32c for it")
-        if buf is None:   # Orbax stores every chunk (store_data_equal_to_fill_value)
-            raise DamagedChunk(f"{src.where(key)}: its index marks chunk {j} absent, the "
-                               "step's manifest has its crc32c")
-        if f"{crc32c(buf):08x}" != want:
-            raise DamagedChunk(f"{src.where(key)}: chunk {j} fails its crc32c (the manifest's)")
+        problem = chunk_problem(j, buf, want)
+        if problem is not None:
+            raise DamagedChunk(f"{src.where(key)}: {problem}")
 
 
 def _fill(value: Any, dtype: np.dtype, name: str) -> Any:
