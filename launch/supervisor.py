@@ -176,9 +176,15 @@ class Supervisor:
             if broken_at is None and (killed_from_launcher(text := "".join(tail))
                                       or failed_nodes_from_launcher(text)):
                 broken_at = now
-            if self.poll_s and now >= next_poll:
+            poll_due, read_due = bool(self.poll_s) and now >= next_poll, now >= next_read
+            if poll_due or read_due:   # the try's records so far, read once for both
+                new = events.new()
+                records += new
+                if any(e.get("event") in ("failed", "hung") for e in new):
+                    announced_at = announced_at or now
+            if poll_due:
                 next_poll = now + self.poll_s
-                hosts = sorted({str(e["host"]) for e in read_records(self.run_dir, started)
+                hosts = sorted({str(e["host"]) for e in records
                                 if e.get("event") == "started" and "host" in e})
                 down = node_state.down_hosts(self.scheduler, hosts) if hosts else []
                 if down:
@@ -187,12 +193,8 @@ class Supervisor:
                     # the launcher waits in vain for that host's tasks: a short wait
                     aborted = self._abort(proc, tail, wait_s=DOWN_WAIT_S)
                     continue
-            if now >= next_read:
+            if read_due:
                 next_read = now + READ_S
-                new = events.new()
-                records += new
-                if any(e.get("event") in ("failed", "hung") for e in new):
-                    announced_at = announced_at or now
                 text = "".join(tail)
                 silent = only_silent_hosts_left(records,
                                                 exited_from_launcher(text),
