@@ -49,15 +49,10 @@ MODEL = ("model.d_model=128", "model.num_layers=4", "model.d_ff=512", "model.seq
          "train.batch_size=32")
 
 
-def job_env() -> dict[str, str]:
-    """CPU JAX, one device per rank, MPICH over libfabric's tcp provider (this machine's MPI
-    setting: docs/multinode_tests.md)."""
-    return {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1",
-            "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
-
-
 def render(run_dir: Path, spare: bool, overrides: list[str]) -> str:
-    env = [a for k, v in job_env().items() for a in ("--env", f"{k}={v}")]
+    from tests.helpers.netns_cluster import JOB_ENV  # the cluster's job environment
+
+    env = [a for k, v in JOB_ENV.items() for a in ("--env", f"{k}={v}")]
     cmd = [sys.executable, "-m", "spmd.cli", "jobscript", str(CONFIG), "--system", "slurm",
            "--nodes", str(NODES), "--ranks-per-node", str(RANKS_PER_NODE), "--time", "30",
            "--check", "none", *env, *(["--spare-nodes", "1"] if spare else []),

@@ -81,6 +81,12 @@ NETNS_DIR = Path("/run/netns")
 MOUNT_POINT = Path("/local")          # created (empty) in the root fs if missing; never removed
 STARTUP_TIMEOUT_S = 60.0
 SLURMD_TIMEOUT_S = 10                 # slurmctld marks a silent node DOWN after this
+# What a rank of a job on this cluster needs in its environment: CPU JAX with one device
+# per rank, and MPICH over libfabric's tcp provider, a setting of this test machine, not of
+# spmd (docs/multinode_tests.md: UCX's address exchange through Slurm 22.05's pmi2 arrived
+# garbled, and libfabric's default provider choice hung in MPI_Init).
+JOB_ENV = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1",
+           "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 _counter = [0]
 
 

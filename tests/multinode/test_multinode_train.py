@@ -49,7 +49,7 @@ import pytest
 from tests.helpers.env import REPO, XLA_CACHE
 from tests.helpers.fault_injection import STALL, fault_env
 from tests.helpers.fno import make_tiny_dataset, tiny_config
-from tests.helpers.netns_cluster import NetnsCluster, netns_cluster  # noqa: F401
+from tests.helpers.netns_cluster import JOB_ENV, NetnsCluster, netns_cluster  # noqa: F401
 
 TRANSFORMER = REPO / "configs" / "transformer_tiny.yaml"
 STEPS, EVERY = 10, 2
@@ -65,17 +65,17 @@ TRAIN_T = (f"train.steps={STEPS}", "train.batch_size=24", f"checkpoint.every={EV
 JOB_TIMEOUT = 600
 
 
-def job_env(**extra: str) -> str:
-    """`export` lines for a job script: CPU JAX, one device per rank, MPICH over OFI."""
-    env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1",
-           "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", **XLA_CACHE, **extra}
-    return "".join(f"export {k}={v}\n" for k, v in env.items())
+def job_env(**extra: str) -> dict[str, str]:
+    """A job's environment: the cluster's (CPU JAX, one device per rank, MPICH over OFI),
+    the tests' compilation cache, and `extra`."""
+    return {**JOB_ENV, **XLA_CACHE, **extra}
 
 
 def train_script(config: Path, run_dir: Path, *overrides: str, doctor: bool = False,
                  ckpt_ls: bool = False, **env: str) -> str:
     py = f"{sys.executable} -m spmd.cli"
-    lines = ["#!/bin/bash", "set -u", f"cd {REPO}", job_env(**env), f"mkdir -p {run_dir}"]
+    exports = "".join(f"export {k}={v}\n" for k, v in job_env(**env).items())
+    lines = ["#!/bin/bash", "set -u", f"cd {REPO}", exports, f"mkdir -p {run_dir}"]
     if doctor:
         lines.append(f"srun --mpi=pmi2 --output={run_dir}/doctor-%t.json {py} doctor --json "
                      "|| exit 3")
@@ -229,9 +229,7 @@ def recovery_script(run_dir: Path, stalls: dict[int, int], *overrides: str,
     save is held; none in the other tries)."""
     import subprocess
 
-    exports = [f"{k}={v}" for k, v in (
-        {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1",
-         "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", **XLA_CACHE, **env}).items()]
+    exports = [f"{k}={v}" for k, v in job_env(**env).items()]
     r = subprocess.run([sys.executable, "-m", "spmd.cli", "jobscript", str(TRANSFORMER),
                         "--system", "slurm", "--nodes", str(len(NODES)), "--spare-nodes", "1",
                         "--ranks-per-node", str(RANKS_PER_NODE), "--time", "10",
