@@ -102,7 +102,7 @@ def parse_overrides(pairs: list[str]) -> dict:
             raise ConfigError(f"override '{pair}' is not of the form key=value")
         try:
             value = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, ValueError) as e:   # ValueError: an impossible date
             raise ConfigError(f"override '{pair}': value does not parse as YAML: {e}") from None
         node = out
         parts = key.split(".")
@@ -195,13 +195,37 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
+        text = p.read_text()
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} does not parse as YAML: {e}") from None
+        except ValueError as e:     # YAML reads 2002-13-01 as a date, and fails to make it
+            raise ConfigError(f"config file {p}: {_bad_scalar(text)}: {e}") from None
     if overrides:
         raw = with_overrides(raw if isinstance(raw, dict) else {}, overrides)
     return config_from_dict(raw, source, task, overridden(overrides))
+
+
+def _bad_scalar(text: str) -> str:
+    """Where a YAML scalar that parses but cannot be built (an impossible date) lies."""
+    loader = yaml.SafeLoader(text)
+    try:
+        nodes = [loader.get_single_node()]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, yaml.ScalarNode):
+                try:
+                    loader.construct_object(node, deep=True)
+                except ValueError:
+                    return f"line {node.start_mark.line + 1}, value {node.value!r}"
+            elif isinstance(node, yaml.MappingNode):
+                nodes.extend(v for kv in node.value for v in kv)
+            elif isinstance(node, yaml.SequenceNode):
+                nodes.extend(node.value)
+    finally:
+        loader.dispose()
+    return "a value"
 
 
 def overridden(overrides: list[str] | None) -> dict[str, str]:

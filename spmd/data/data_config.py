@@ -11,7 +11,8 @@ import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class WindowConfig(BaseModel):
@@ -27,15 +28,40 @@ class WindowConfig(BaseModel):
     stride: int = Field(1, ge=1, description="A window starts every `stride` time steps.")
 
 
+def _config_time(value: Any) -> str | None:
+    """A split's start or end as an ISO string: a YAML date (2002-01-01), a YAML timestamp
+    (2002-01-01T06:00:00 or 2002-01-01 06:00:00, which YAML reads as a datetime; one with a
+    zone is taken in UTC) or a string numpy reads as a time (2002-01-01T06:00)."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(datetime.UTC).replace(tzinfo=None)
+        return value.isoformat()
+    if isinstance(value, datetime.date):
+        return value.isoformat()
+    if isinstance(value, str):
+        try:
+            np.datetime64(value.strip().replace(" ", "T"), "ns")
+            return value.strip()
+        except ValueError:
+            pass
+    raise ValueError(f"{value!r} is not a date or time; write e.g. 2002-01-01 or "
+                     f"2002-01-01T06:00")
+
+
+ConfigTime = Annotated[str | None, BeforeValidator(_config_time)]
+
+
 class TimeRange(BaseModel):
     """data.splits.<split>: a time range of the data (both ends included; left out: the
     start or the end of the data); dates as 2002-01-01 or 2002-01-01T06:00."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    start: str | datetime.date | None = Field(
+    start: ConfigTime = Field(
         None, description="First time of the split (a window's times all lie in the range).")
-    end: str | datetime.date | None = Field(None, description="Last time of the split.")
+    end: ConfigTime = Field(None, description="Last time of the split.")
 
 
 class DataConfig(BaseModel):

@@ -90,3 +90,27 @@ def test_overrides_of_a_dict_config_are_blamed_on_the_overrides():
     assert str(e.value).startswith("command line: train.batch_size=big: "), str(e.value)
     with pytest.raises(ConfigError, match=r"^<dict>: train\.steps: "):
         as_config({"model": {"name": "mlp"}, "train": {"steps": "many"}}, ["train.seed=1"])
+
+
+WEATHER = REPO / "configs" / "weather_era5.yaml"
+
+
+def test_split_times_as_yaml_writes_them_and_impossible_dates(tmp_path):
+    """YAML reads `2016-12-31T18:00:00` as a datetime and `2016-12-31` as a date: both are
+    split times. A date that does not exist, or a number, fails in one line naming where."""
+    cfg = load_config(WEATHER, ["data.splits.train.end=2016-12-31T18:00:00",
+                                "data.splits.test.start=2018-01-01 06:00:00+02:00"])
+    assert cfg.data.splits["train"].end == "2016-12-31T18:00:00"
+    assert cfg.data.splits["test"].start == "2018-01-01T04:00:00"       # taken in UTC
+    assert cfg.data.splits["train"].start == "2010-01-01"               # a YAML date
+    with pytest.raises(ConfigError) as e:
+        load_config(WEATHER, ["data.splits.test.start=2018"])
+    assert "data.splits.test.start" in str(e.value) and "not a date or time" in str(e.value)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(WEATHER.read_text().replace("start: 2018-01-01", "start: 2018-02-30"))
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value).startswith(f"config file {bad}: line ") and "'2018-02-30'" in str(e.value)
+    assert "day is out of range" in str(e.value)
+    with pytest.raises(ConfigError, match="2018-13-01.*does not parse as YAML"):
+        load_config(WEATHER, ["data.splits.test.start=2018-13-01"])
