@@ -38,7 +38,7 @@ from spmd.data.stores import ArrayDataError
 
 __all__ = ["CF_FORMATS", "Coding", "coding_of", "decode", "has_cf_coding", "stored_coding"]
 
-CF_FORMATS = ("netcdf", "zarr")         # stores whose variables may carry CF attributes
+CF_FORMATS = ("netcdf", "netcdf3", "zarr")         # stores whose variables may carry CF attributes
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def stored_coding(path: Any, fmt: str, dataset: str, attrs: Any, where: str) -> 
 
     group, _, name = str(dataset).strip("/").rpartition("/")
     kw: dict[str, Any] = ({"engine": "zarr", "consolidated": None} if fmt == "zarr"
-                          else {"engine": "h5netcdf"})
+                          else {"engine": "scipy" if fmt == "netcdf3" else "h5netcdf"})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata

@@ -38,6 +38,7 @@ import numpy as np
 
 from spmd.data.cf_decode import Coding, coding_of
 from spmd.data.channels import COORDINATE_CONSTANTS, Channel
+from spmd.data.netcdf3 import CONVERT, netcdf3_kind
 from spmd.data.stores import ArrayDataError, detect_format, fingerprint
 
 __all__ = ["FileAxes", "Timeline", "VarInfo", "build_timeline", "scan_file"]
@@ -85,7 +86,8 @@ def _open(path: Path, fmt: str) -> Any:
         warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata
         if fmt == "zarr":
             return xr.open_dataset(path, engine="zarr", consolidated=None, chunks=None)
-        return xr.open_dataset(path, engine="h5netcdf", chunks=None, cache=False)
+        engine = "scipy" if fmt == "netcdf3" else "h5netcdf"
+        return xr.open_dataset(path, engine=engine, chunks=None, cache=False)
 
 
 def _role_dims(ds: Any) -> dict[str, str]:
@@ -129,12 +131,15 @@ def scan_file(path: Path, where: str) -> FileAxes:
 
 def _scan(path: Path, where: str) -> FileAxes:
     fmt = detect_format(path)
+    if fmt == "netcdf3" and netcdf3_kind(path) == "CDF5":
+        raise ArrayDataError(f"{where}: file {path}: a NetCDF3 CDF5 (64-bit data) file, which "
+                             f"spmd does not read; {CONVERT} (the file was left unchanged)")
     try:
         ds = _open(path, fmt)
     except Exception as e:  # xarray raises many types for a damaged or foreign file
         raise ArrayDataError(f"{where}: file {path}: xarray cannot open it "
                              f"({type(e).__name__}: {e}); it may be truncated or not "
-                             f"NetCDF4 / Zarr") from None
+                             f"NetCDF / Zarr") from None
     with ds:
         dims = _role_dims(ds)
         for role in ("time", "lat", "lon"):
@@ -147,7 +152,8 @@ def _scan(path: Path, where: str) -> FileAxes:
             name = dims.get(role)
             if name is None:
                 return None
-            return np.asarray(ds[name].values) if name in ds.coords else np.arange(
+            # a copy: a NetCDF3 file's values are views of its memory map, closed below
+            return np.array(ds[name].values) if name in ds.coords else np.arange(
                 ds.sizes[name])
 
         times = coord("time")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spmd.data.netcdf3 import netcdf3_kind
 from spmd.data.stores import NETCDF_SUFFIXES, ArrayDataError
 
 __all__ = ["rechunk"]
@@ -50,7 +51,7 @@ def _one(src: Path, dst: Path, time_chunk: int, complevel: int) -> None:
     import xarray as xr
 
     zarr = src.suffix == ".zarr" or (src / "zarr.json").exists()
-    engine = "zarr" if zarr else "h5netcdf"
+    engine = "zarr" if zarr else "scipy" if netcdf3_kind(src) else "h5netcdf"
     with xr.open_dataset(src, engine=engine, chunks=None) as ds:
         ds = ds.load()
     encoding = _encoding(ds, time_chunk, zarr, complevel)
@@ -62,7 +63,7 @@ def _one(src: Path, dst: Path, time_chunk: int, complevel: int) -> None:
 
 def rechunk(src: str | Path, dst: str | Path, *, time_chunk: int = 1,
             complevel: int = 4) -> list[Path]:
-    """Rewrite `src` (a NetCDF4 file, a directory of them, or a Zarr store) as `dst` with
+    """Rewrite `src` (a NetCDF4 or NetCDF3 file, a directory of them, or a Zarr store) as `dst` with
     chunks of `time_chunk` steps x every latitude x every longitude; the files written."""
     src, dst = Path(src), Path(dst)
     if time_chunk < 1:

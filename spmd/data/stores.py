@@ -3,8 +3,10 @@
 Formats (what `detect_format` sees on disk):
 - `hdf5`: an HDF5 file (h5py); dataset paths are HDF5 paths (`train/u0`).
 - `netcdf`: a NetCDF4 file (`.nc`, `.nc4`, `.cdf`, `.netcdf`), read through h5netcdf; a
-  variable `u0` in group `train` is the dataset path `train/u0`. NetCDF3 (classic) files are
-  not HDF5 and are refused with the command that converts them.
+  variable `u0` in group `train` is the dataset path `train/u0`.
+- `netcdf3`: a NetCDF3 file, classic or 64-bit offset (by its first bytes, whatever its
+  name; `data.source: netcdf` covers both), read through SciPy (`spmd.data.netcdf3`); CDF5
+  is refused with the commands that convert it.
 - `zarr`: a Zarr store directory (`*.zarr`, or any directory with a `zarr.json`; v3, sharded
   arrays included, and v2); arrays at the dataset paths, nested in groups.
 - `npy`: a directory of `<dataset path>.npy` files, memory-mapped.
@@ -30,9 +32,10 @@ from typing import Any
 import h5py
 import numpy as np
 
+from spmd.data.netcdf3 import CONVERT, NetCDF3File, netcdf3_kind
 from spmd.errors import SpmdError
 
-FORMATS = ("hdf5", "netcdf", "zarr", "npy")
+FORMATS = ("hdf5", "netcdf", "zarr", "npy")     # written by write_arrays; read: + netcdf3
 NETCDF_SUFFIXES = (".nc", ".nc4", ".cdf", ".netcdf")
 HDF5_SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
 ZARR_SUFFIX = ".zarr"
@@ -52,6 +55,8 @@ def detect_format(path: Path) -> str:
         if path.suffix == ZARR_SUFFIX or any((path / m).exists() for m in ZARR_METADATA):
             return "zarr"
         return "npy"
+    if netcdf3_kind(path) is not None:
+        return "netcdf3"
     return "netcdf" if path.suffix.lower() in NETCDF_SUFFIXES else "hdf5"
 
 
@@ -106,12 +111,14 @@ class Store:
         if self.format in ("hdf5", "netcdf"):
             if self.path.is_dir() or not h5py.is_hdf5(self.path):
                 kind = "NetCDF4" if self.format == "netcdf" else "HDF5"
-                hint = (" (NetCDF3 classic files are not HDF5: convert with `nccopy -k nc4 "
-                        "IN OUT`)" if self.format == "netcdf" else
+                hint = (" (nor NetCDF3)" if self.format == "netcdf" else
                         " (nor a Zarr store or a directory of .npy files)")
-                raise ArrayDataError(f"{where}: not an {kind} file{hint}; the file was left "
-                                     f"unchanged")
+                article = "an" if kind == "HDF5" else "a"
+                raise ArrayDataError(f"{where}: not {article} {kind} file{hint}; the file was "
+                                     f"left unchanged")
             self._handle = self._open_hdf5()
+        elif self.format == "netcdf3":
+            self._handle = self._open_netcdf3()
         elif self.format == "zarr":
             self._handle = open_zarr(self.path, where)
         elif self.format != "npy":
@@ -136,6 +143,18 @@ class Store:
                 return opener(locking=False)
         except (OSError, KeyError, RuntimeError, ValueError) as e:
             raise ArrayDataError(f"{self.where}: cannot open the {kind} file "
+                                 f"({type(e).__name__}: {e}); it may be truncated or corrupt "
+                                 f"(left unchanged)") from None
+
+    def _open_netcdf3(self) -> NetCDF3File:
+        kind = netcdf3_kind(self.path)
+        if kind == "CDF5":
+            raise ArrayDataError(f"{self.where}: a NetCDF3 CDF5 (64-bit data) file, which spmd "
+                                 f"does not read; {CONVERT} (the file was left unchanged)")
+        try:
+            return NetCDF3File(self.path)
+        except (OSError, ValueError, TypeError, IndexError) as e:   # SciPy's parse errors
+            raise ArrayDataError(f"{self.where}: cannot open the NetCDF3 ({kind}) file "
                                  f"({type(e).__name__}: {e}); it may be truncated or corrupt "
                                  f"(left unchanged)") from None
 
@@ -186,7 +205,7 @@ class Store:
                                      f"no file {file}; the directory has {self.datasets()}")
             return np.load(file, mmap_mode="r")
         kind = {"hdf5": "HDF5 dataset", "netcdf": "NetCDF variable",
-                "zarr": "Zarr array"}[self.format]
+                "netcdf3": "NetCDF variable", "zarr": "Zarr array"}[self.format]
         try:
             node = self._lookup(dataset)
         except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged header
@@ -214,6 +233,8 @@ class Store:
                 h = h.groups[g]
             node = h.variables.get(leaf) if leaf in h.variables else None
             return node if isinstance(node, h5netcdf.Variable) else None
+        if self.format == "netcdf3":           # no groups in NetCDF3
+            return h.variables.get(dataset.strip("/"))
         import zarr
 
         try:
@@ -243,6 +264,9 @@ class Store:
                     walk(sub, f"{prefix}{name}/")
 
             walk(self._handle, "")
+        elif self.format == "netcdf3":
+            for name, var in self._handle.variables.items():
+                out[name] = (var.shape, str(var.dtype))
         else:
             import zarr
 
@@ -257,7 +281,7 @@ class Store:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._handle is not None and self.format in ("hdf5", "netcdf"):
+        if self._handle is not None and self.format in ("hdf5", "netcdf", "netcdf3"):
             self._handle.close()
         self._handle = None
 

@@ -266,7 +266,7 @@ class WindowSource(ArraySource):
         windows read trajectory or time would be read wrong without a word (level as time):
         refused, pointing at data.variables. (CF packing is decoded, `_check_coding`.)"""
         with self._member(0) as store:
-            if store.format not in ("netcdf", "zarr"):
+            if store.format not in ("netcdf", "netcdf3", "zarr"):
                 return
             array = store.get(self.dataset, f"{self.fields_key}.{self.input_name}")
             dims = getattr(array, "dimensions", None)

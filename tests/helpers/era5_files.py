@@ -7,7 +7,10 @@ with CF attributes; `u10` is CF-packed int16 (scale_factor, add_offset, _FillVal
 second year's file is zlib-compressed, `geopotential` has a `level` dimension (time, level,
 latitude, longitude), `lsm` and `orography` are time-free constants. Variants: a gap of
 `gap_days` days cut out of the timeline, one file with latitude reversed (south to north),
-`sst` with NaN over land, one NaN planted in a variable at one time step.
+`sst` with NaN over land, one NaN planted in a variable at one time step. `legacy_cds=True`
+writes the files as the Climate Data Store did before 2024: NetCDF3 64-bit offset, `time`
+unlimited (int32 hours since 1900), every variable packed into int16 with its own
+scale_factor / add_offset and _FillValue = missing_value = -32767.
 
 `write_wb2_zarr(path, ...)` writes one Zarr v3 store of all the years, WeatherBench2's way:
 dims (time, [level,] longitude, latitude), latitude south to north.
@@ -102,8 +105,8 @@ def write_era5_years(root: Path, years: tuple[int, ...] = (2000, 2001, 2002), *,
                      nlat: int = 6, nlon: int = 12, step_hours: int = 24,
                      zlib_year: int | None = 2001, gap_days: int = 0,
                      gap_year: int | None = None, reversed_lat_year: int | None = None,
-                     sst: bool = False, nan_at: tuple[str, int, int] | None = None
-                     ) -> list[Path]:
+                     sst: bool = False, nan_at: tuple[str, int, int] | None = None,
+                     legacy_cds: bool = False) -> list[Path]:
     """One NetCDF4 file per year in `root` (era5_<year>.nc); the paths, in time order.
 
     `gap_days` days are cut from the middle of `gap_year` (a gap in the time axis);
@@ -129,9 +132,27 @@ def write_era5_years(root: Path, years: tuple[int, ...] = (2000, 2001, 2002), *,
             for name in ds.data_vars:
                 encoding.setdefault(name, {}).update(zlib=True, complevel=4)
         path = root / f"era5_{year}.nc"
+        if legacy_cds:
+            ds.to_netcdf(path, encoding=cds_packing(ds), engine="netcdf4",
+                         format="NETCDF3_64BIT", unlimited_dims=["time"])
+            paths.append(path)
+            continue
         ds.to_netcdf(path, encoding=encoding, engine="netcdf4", format="NETCDF4")
         paths.append(path)
     return paths
+
+
+def cds_packing(ds) -> dict:
+    """The legacy CDS encoding: each variable packed into int16 over its own range
+    (add_offset = the middle, the extremes at -32766 and 32766), fill -32767."""
+    encoding: dict = {"time": {"units": TIME_UNITS["units"], "calendar": "gregorian",
+                               "dtype": "int32"}}
+    for name, var in ds.data_vars.items():
+        lo, hi = float(np.nanmin(var.values)), float(np.nanmax(var.values))
+        scale = (hi - lo) / (2 ** 16 - 4) or 1.0
+        encoding[name] = {"dtype": "int16", "scale_factor": scale, "add_offset": (hi + lo) / 2,
+                          "_FillValue": -32767, "missing_value": -32767}
+    return encoding
 
 
 def write_wb2_zarr(path: Path, years: tuple[int, ...] = (2000, 2001, 2002), *,

@@ -69,20 +69,36 @@ def test_netcdf4_written_by_h5netcdf_reads_correctly(tmp_path):
     assert "data.fields.u1" in msg and "train/u1" in msg           # what the file has
 
 
-def test_netcdf_written_by_write_arrays_and_netcdf3_refused(tmp_path):
+def test_netcdf_written_by_write_arrays_and_netcdf3_read_as_it_lies(tmp_path):
     path = write_arrays(tmp_path / "w.nc", arrays(), {"seed": 3}, format="netcdf")
     check_rows(source(path))
     with h5netcdf.File(path, "r") as f:                 # a valid NetCDF4 file
         assert f.attrs["seed"] == 3 and f["train/u1"].dimensions == (
             "u1_0", "u1_1", "u1_2", "u1_3")
-    from scipy.io import netcdf_file
+    import netCDF4
 
+    data = arrays()                                    # NetCDF3 has no groups: root variables
     classic = tmp_path / "classic.nc"
-    with netcdf_file(classic, "w") as f:
-        f.createDimension("n", 2)
-        f.createVariable("u", "f4", ("n",))[:] = [1, 2]
-    with pytest.raises(ArrayDataError, match=r"classic.nc: not an NetCDF4 file.*nccopy"):
-        source(classic).check()
+    with netCDF4.Dataset(classic, "w", format="NETCDF3_CLASSIC") as f:
+        for name, size in (("sample", None), ("x", GRID), ("y", GRID), ("c", 2)):
+            f.createDimension(name, size)              # records: the unlimited dimension
+        f.createVariable("u0", "f4", ("sample", "x", "y"))[:] = data["train/u0"]
+        f.createVariable("u1", "f8", ("sample", "x", "y", "c"))[:] = data["train/u1"]
+    assert store_format(classic) == "netcdf3"
+    src = ArraySource(classic, {"u0": "u0", "u1": "u1"}, FIELDS, BATCH, seed=1)
+    assert src.count == N
+    check_rows(src)
+    with pytest.raises(ArrayDataError) as e:
+        ArraySource(classic, {"u0": "u0", "u1": "v"}, FIELDS, BATCH).check()
+    assert "NetCDF variable 'v'" in str(e.value) and "data.fields.u1" in str(e.value)
+    cut = tmp_path / "cut.nc"                          # truncated: refused, named
+    cut.write_bytes(classic.read_bytes()[:-GRID * GRID * 8])
+    with pytest.raises(ArrayDataError, match=r"cut.nc: cannot open the NetCDF3 .*truncated"):
+        ArraySource(cut, {"u0": "u0", "u1": "u1"}, FIELDS, BATCH).check()
+    neither = tmp_path / "neither.nc"
+    neither.write_bytes(b"not a netcdf file at all" * 4)
+    with pytest.raises(ArrayDataError, match=r"neither.nc: not a NetCDF4 file \(nor NetCDF3\)"):
+        source(neither).check()
 
 
 @pytest.mark.parametrize("shards", [None, (4, GRID, GRID)])

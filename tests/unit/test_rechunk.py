@@ -40,6 +40,20 @@ def test_netcdf_directory_is_rechunked_by_the_cli_with_values_and_packing_kept(t
         rechunk(src, out)
 
 
+def test_legacy_cds_netcdf3_files_are_rewritten_as_chunked_netcdf4(tmp_path):
+    """NetCDF3 files (the CDS before 2024) go through the same command: the output is
+    NetCDF4 with chunks of one step, the int16 packing and the decoded values kept."""
+    paths = write_era5_years(tmp_path / "cds", (2000,), zlib_year=None, legacy_cds=True)
+    out = tmp_path / "nc4"
+    assert rechunk(tmp_path / "cds", out) == [out / paths[0].name]
+    a, b = xr.open_dataset(paths[0]).load(), xr.open_dataset(out / paths[0].name).load()
+    assert b["t2m"].encoding["dtype"] == np.int16 and b["t2m"].encoding["chunksizes"] == (1, 6, 12)
+    for name in a.data_vars:
+        np.testing.assert_array_equal(a[name].values, b[name].values)
+    with h5py.File(out / paths[0].name) as f:          # NetCDF4 is HDF5
+        assert f["t2m"].chunks == (1, 6, 12)
+
+
 def test_zarr_store_is_rechunked_and_the_layout_warning_goes(tmp_path, monkeypatch):
     from spmd.data import gridded_windows
     from spmd.data.batch import BatchField

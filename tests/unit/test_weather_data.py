@@ -9,6 +9,7 @@ file set is written once per module.
 
 from __future__ import annotations
 
+import netCDF4
 import numpy as np
 import pytest
 import xarray as xr
@@ -18,7 +19,7 @@ from spmd.data.cf_decode import coding_of, decode
 from spmd.data.channels import Channel, parse_channels
 from spmd.data.data_config import DataConfig, WindowConfig
 from spmd.data.gridded_windows import GriddedWindowSource
-from spmd.data.stores import ArrayDataError
+from spmd.data.stores import ArrayDataError, detect_format
 from spmd.data.time_splits import check_splits, split_range
 from tests.helpers.era5_files import LEVELS, grid, land, write_era5_years, write_wb2_zarr
 
@@ -181,6 +182,40 @@ def test_windows_cross_yearly_file_boundaries(files):
     assert np.array_equal(got["input"][0], np.concatenate([want[0], want[1]], -1))
     assert np.array_equal(got["target"][0], np.concatenate(list(want[2:]), -1))
     assert src.count == 1096 - 5 + 1              # no window lost at a file's end
+
+
+def test_legacy_cds_netcdf3_files_decode_like_xarray_and_windows_cross_them(tmp_path):
+    """ERA5 as the Climate Data Store wrote it before 2024 (NetCDF3 64-bit offset, unlimited
+    time, every variable packed into int16; written by netCDF-C through xarray): read
+    without conversion, decoded as xarray decodes it (NaN over land included), and windows
+    cross the yearly files as with NetCDF4."""
+    paths = write_era5_years(tmp_path / "cds", (2000, 2001), zlib_year=None, sst=True,
+                             legacy_cds=True)
+    assert detect_format(paths[0]) == "netcdf3"
+    variables = [*VARIABLES, "sst"]
+    src = source(tmp_path / "cds", variables, steps=(2, 3), time_range=(None, None),
+                 mask=True, nan="mask")
+    for k, path in enumerate(paths):
+        ds = xr.open_dataset(path).load()
+        assert ds["t2m"].encoding["dtype"] == np.int16 and ds["sst"].isnull().any()
+        for c in parse_channels(variables):
+            want = ds[c.variable]
+            want = (want if c.level is None else want.sel(level=int(c.level))).values
+            got = src.read_channel(k, c, 0, ds.sizes["time"])
+            assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True), c
+    crossing = [r for r in range(src.count) if len(src.window_of(r)["pieces"]) == 2]
+    assert len(crossing) == 5 - 1 and src.count == 366 + 365 - 5 + 1
+    rec = crossing[0]
+    w, got = src.window_of(rec), src.rows(rec // 4, rec % 4, rec % 4 + 1)
+    want = xarray_frames(paths, variables)[w["t0"]:w["t0"] + 5]
+    assert np.array_equal(got["target"][0], np.nan_to_num(np.concatenate(list(want[2:]), -1)))
+    assert np.array_equal(got["mask"][0], ~np.isnan(np.concatenate(list(want[2:]), -1)))
+    cdf5 = tmp_path / "cdf5"                    # CDF5: refused with the conversion
+    cdf5.mkdir()
+    netCDF4.Dataset(cdf5 / "era5_2000.nc", "w", format="NETCDF3_64BIT_DATA").close()
+    with pytest.raises(ArrayDataError) as e:
+        source(cdf5, time_range=(None, None)).check()
+    assert "CDF5" in one_line(e) and "nccopy -k nc4" in str(e.value)
 
 
 def test_rows_pickle_threads_and_shuffle(files):
