@@ -120,8 +120,10 @@ def test_short_gridded_cases_report_feed_over_plain_read_per_layout(tmp_path):
             assert feed > 0 and raw > 0
             assert c["ratio"]["n"] == 1
             assert c["ratio"]["median"] == pytest.approx(feed / raw, rel=1e-3)
+            windows = c["windows"]["samples_per_s"]     # the hand-written loader's windows
+            assert c["ratio_plain_windows"]["median"] == pytest.approx(feed / windows, rel=1e-3)
         assert f"{name} " in proc.stdout
-    assert "feed/plain" in proc.stdout
+    assert "feed/plain windows" in proc.stdout
 
 
 def test_full_mode_with_nothing_to_measure_does_not_crash(tmp_path):
