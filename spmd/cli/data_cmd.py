@@ -52,9 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     stats.add_argument("--json", action="store_true", help="one JSON object on stdout")
     stats.set_defaults(func=run_stats)
     rechunk = actions.add_parser(
-        "rechunk", help="rewrite NetCDF4 files or a Zarr store with chunks of TIME_CHUNK x "
-                        "latitude x longitude (the layout spmd data info asks for), via xarray")
-    rechunk.add_argument("source", help="a NetCDF4 file, a directory of them, or a Zarr store")
+        "rechunk", help="rewrite NetCDF4 or NetCDF3 files or a Zarr store with chunks of "
+                        "TIME_CHUNK x latitude x longitude (the layout spmd data info asks for), "
+                        "via xarray")
+    rechunk.add_argument("source", help="a NetCDF4 or NetCDF3 file, a directory of them, or a "
+                                        "Zarr store")
     rechunk.add_argument("dest", help="the new file, directory or store (must not exist)")
     rechunk.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk (1)")
     rechunk.add_argument("--complevel", type=int, default=4,
