@@ -166,6 +166,7 @@ class GriddedWindowSource(ArraySource):
         self._cache_lock = threading.Lock()
         self._h5: dict[int, Any] = {}            # timeline file -> h5py.File (NetCDF4 reads)
         self._h5_lock = threading.Lock()
+        self._scratch = threading.local()        # per reading thread: dtype -> buffer
 
     @property
     def timeline(self) -> Timeline:
@@ -400,11 +401,19 @@ class GriddedWindowSource(ArraySource):
         node = handle.get(name)
         return node if node is not None and hasattr(node, "shape") else None
 
-    def _read_raw(self, k: int, channel: Channel, lo: int, hi: int) -> np.ndarray:
+    def _read_raw(self, k: int, channel: Channel, lo: int, hi: int,
+                  scratch: bool = False) -> np.ndarray:
         """Rows [lo, hi) of timeline file k's `channel` as stored (raw, not decoded), as
-        (time, latitude, longitude), latitude as stored."""
+        (time, latitude, longitude), latitude as stored. `scratch`: a NetCDF4 variable
+        stored (time, latitude, longitude) is read straight into this thread's reused buffer
+        (h5py `read_direct`: no new array, no page faults of fresh memory); the result is
+        then valid only until this thread's next scratch read."""
         f = self.timeline.files[k]
         var = f.variables[channel.variable]
+        if scratch and var.dims == (f.dims["time"], f.dims["lat"], f.dims["lon"]):
+            array = self._h5_array(k, channel.variable)
+            if array is not None:
+                return self._read_scratch(k, channel, array, lo, hi)
         index: list[Any] = []
         keep: list[str] = []
         for dim in var.dims:
@@ -432,6 +441,25 @@ class GriddedWindowSource(ArraySource):
         order = [keep.index(d) for d in ("time", "lat", "lon")]
         return raw if order == [0, 1, 2] else np.transpose(raw, order)
 
+    def _read_scratch(self, k: int, channel: Channel, array: Any, lo: int,
+                      hi: int) -> np.ndarray:
+        shape = (hi - lo, *array.shape[1:])
+        dtype = np.dtype(array.dtype)
+        buffers = self._scratch.__dict__.setdefault("buffers", {})
+        buf = buffers.get(dtype)
+        if buf is None or buf.size < int(np.prod(shape)):
+            buf = buffers[dtype] = np.empty(int(np.prod(shape)), dtype)
+        out = buf[:int(np.prod(shape))].reshape(shape)
+        try:
+            array.read_direct(out, np.s_[lo:hi])
+        except (OSError, KeyError, RuntimeError, ValueError, TypeError) as e:  # a damaged chunk
+            raise ArrayDataError(
+                f"{self.where}: file {self.timeline.files[k].path}: reading variable "
+                f"'{channel.variable}' at time index {lo}..{hi - 1} failed "
+                f"({type(e).__name__}: {e}); the file may be truncated or corrupt "
+                f"(left unchanged)") from None
+        return out
+
     def _block(self, k: int, b: int) -> np.ndarray:
         """Block b of timeline file k: decoded float32 (rows, lat, lon, C), cached."""
         key = (k, b)
@@ -447,7 +475,7 @@ class GriddedWindowSource(ArraySource):
                                      len(self._timeline.lon), len(self.channels)), np.float32)
         has_nan = False                           # once per block: windows skip the check
         for i, c in enumerate(self.channels):     # one copy into the block (decoded)
-            raw = self._read_raw(k, c, lo, hi)
+            raw = self._read_raw(k, c, lo, hi, scratch=True)
             coding = f.variables[c.variable].coding
             values = raw if coding.identity else decode(raw, coding)
             if values.dtype.kind == "f":
@@ -652,7 +680,8 @@ class GriddedWindowSource(ArraySource):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         for k in ("_timeline", "_starts", "_member_of", "_const", "_blocks", "_block_rows",
-                  "_cache_lock", "_offsets_list", "_block_nan", "_h5", "_h5_lock"):
+                  "_cache_lock", "_offsets_list", "_block_nan", "_h5", "_h5_lock",
+                  "_scratch"):
             state.pop(k, None)
         return state
 

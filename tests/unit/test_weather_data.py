@@ -218,6 +218,26 @@ def test_legacy_cds_netcdf3_files_decode_like_xarray_and_windows_cross_them(tmp_
     assert "CDF5" in one_line(e) and "nccopy -k nc4" in str(e.value)
 
 
+def test_a_damaged_chunk_is_named_with_file_variable_and_times(tmp_path):
+    """A zlib chunk that no longer inflates (a bad block on disk) fails the read in one line
+    naming the file, the variable and the time indices; the file is left as it is."""
+    import h5py
+
+    paths = write_era5_years(tmp_path / "nc", (2000, 2001), zlib_year=2001)
+    with h5py.File(paths[1], "r") as f:
+        chunk = f["t2m"].id.get_chunk_info(0)
+    data = bytearray(paths[1].read_bytes())
+    middle = chunk.byte_offset + chunk.size // 2
+    data[middle:middle + 16] = bytes(16)
+    paths[1].write_bytes(bytes(data))
+    src = source(tmp_path / "nc", time_range=(None, None))
+    with pytest.raises(ArrayDataError) as e:
+        src.rows(366 // 4, 0, 4)                  # windows in the first days of 2001
+    msg = one_line(e)
+    assert str(paths[1]) in msg and "'t2m'" in msg and "time index 0.." in msg, msg
+    assert "truncated or corrupt" in msg, msg
+
+
 def test_rows_pickle_threads_and_shuffle(files):
     """The seeded order is a permutation of the windows; rows are the same read from two
     threads at once and from a pickled copy (which reopens the files)."""
