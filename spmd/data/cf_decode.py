@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.stores import ArrayDataError
+from spmd.data.stores import XARRAY_ENGINES, ArrayDataError
 
 __all__ = ["CF_FORMATS", "Coding", "coding_of", "decode", "has_cf_coding", "stored_coding"]
 
-CF_FORMATS = ("netcdf", "netcdf3", "zarr")         # stores whose variables may carry CF attributes
+CF_FORMATS = tuple(XARRAY_ENGINES)   # stores whose variables may carry CF attributes
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,9 @@ def stored_coding(path: Any, fmt: str, dataset: str, attrs: Any, where: str) -> 
     import xarray as xr
 
     group, _, name = str(dataset).strip("/").rpartition("/")
-    kw: dict[str, Any] = ({"engine": "zarr", "consolidated": None} if fmt == "zarr"
-                          else {"engine": "scipy" if fmt == "netcdf3" else "h5netcdf"})
+    kw: dict[str, Any] = {"engine": XARRAY_ENGINES[fmt]}
+    if fmt == "zarr":
+        kw["consolidated"] = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata

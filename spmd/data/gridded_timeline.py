@@ -38,8 +38,8 @@ import numpy as np
 
 from spmd.data.cf_decode import Coding, coding_of
 from spmd.data.channels import COORDINATE_CONSTANTS, Channel
-from spmd.data.netcdf3 import CONVERT, netcdf3_kind
-from spmd.data.stores import ArrayDataError, detect_format, fingerprint
+from spmd.data.netcdf3 import unreadable_netcdf3
+from spmd.data.stores import XARRAY_ENGINES, ArrayDataError, detect_format, fingerprint
 
 __all__ = ["FileAxes", "Timeline", "VarInfo", "build_timeline", "scan_file"]
 
@@ -86,8 +86,8 @@ def _open(path: Path, fmt: str) -> Any:
         warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata
         if fmt == "zarr":
             return xr.open_dataset(path, engine="zarr", consolidated=None, chunks=None)
-        engine = "scipy" if fmt == "netcdf3" else "h5netcdf"
-        return xr.open_dataset(path, engine=engine, chunks=None, cache=False)
+        return xr.open_dataset(path, engine=XARRAY_ENGINES.get(fmt, "h5netcdf"), chunks=None,
+                               cache=False)
 
 
 def _role_dims(ds: Any) -> dict[str, str]:
@@ -131,9 +131,9 @@ def scan_file(path: Path, where: str) -> FileAxes:
 
 def _scan(path: Path, where: str) -> FileAxes:
     fmt = detect_format(path)
-    if fmt == "netcdf3" and netcdf3_kind(path) == "CDF5":
-        raise ArrayDataError(f"{where}: file {path}: a NetCDF3 CDF5 (64-bit data) file, which "
-                             f"spmd does not read; {CONVERT} (the file was left unchanged)")
+    why = unreadable_netcdf3(path) if fmt == "netcdf3" else None
+    if why is not None:
+        raise ArrayDataError(f"{where}: file {path}: {why}")
     try:
         ds = _open(path, fmt)
     except Exception as e:  # xarray raises many types for a damaged or foreign file

@@ -434,31 +434,30 @@ class GriddedWindowSource(ArraySource):
                     array = store.get(channel.variable, "data.variables")
                     raw = np.asarray(array[tuple(index)])
         except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged chunk
-            raise ArrayDataError(
-                f"{self.where}: file {f.path}: reading variable '{channel.variable}' at "
-                f"time index {lo}..{hi - 1} failed ({type(e).__name__}: {e}); the file "
-                f"may be truncated or corrupt (left unchanged)") from None
+            raise self._read_error(k, channel, lo, hi, e) from None
         order = [keep.index(d) for d in ("time", "lat", "lon")]
         return raw if order == [0, 1, 2] else np.transpose(raw, order)
 
     def _read_scratch(self, k: int, channel: Channel, array: Any, lo: int,
                       hi: int) -> np.ndarray:
         shape = (hi - lo, *array.shape[1:])
-        dtype = np.dtype(array.dtype)
+        size, dtype = int(np.prod(shape)), np.dtype(array.dtype)
         buffers = self._scratch.__dict__.setdefault("buffers", {})
-        buf = buffers.get(dtype)
-        if buf is None or buf.size < int(np.prod(shape)):
-            buf = buffers[dtype] = np.empty(int(np.prod(shape)), dtype)
-        out = buf[:int(np.prod(shape))].reshape(shape)
+        if dtype not in buffers or buffers[dtype].size < size:
+            buffers[dtype] = np.empty(size, dtype)
+        out = buffers[dtype][:size].reshape(shape)
         try:
             array.read_direct(out, np.s_[lo:hi])
         except (OSError, KeyError, RuntimeError, ValueError, TypeError) as e:  # a damaged chunk
-            raise ArrayDataError(
-                f"{self.where}: file {self.timeline.files[k].path}: reading variable "
-                f"'{channel.variable}' at time index {lo}..{hi - 1} failed "
-                f"({type(e).__name__}: {e}); the file may be truncated or corrupt "
-                f"(left unchanged)") from None
+            raise self._read_error(k, channel, lo, hi, e) from None
         return out
+
+    def _read_error(self, k: int, channel: Channel, lo: int, hi: int,
+                    e: Exception) -> ArrayDataError:
+        return ArrayDataError(
+            f"{self.where}: file {self.timeline.files[k].path}: reading variable "
+            f"'{channel.variable}' at time index {lo}..{hi - 1} failed ({type(e).__name__}: "
+            f"{e}); the file may be truncated or corrupt (left unchanged)")
 
     def _block(self, k: int, b: int) -> np.ndarray:
         """Block b of timeline file k: decoded float32 (rows, lat, lon, C), cached."""

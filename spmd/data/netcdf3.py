@@ -40,6 +40,15 @@ def netcdf3_kind(path: Path) -> str | None:
         return None
 
 
+def unreadable_netcdf3(path: Path) -> str | None:
+    """Why spmd cannot read NetCDF3 file `path`, with the commands that convert it (CDF5),
+    else None."""
+    if netcdf3_kind(path) != "CDF5":
+        return None
+    return (f"a NetCDF3 CDF5 (64-bit data) file, which spmd does not read; {CONVERT} (the "
+            f"file was left unchanged)")
+
+
 class NetCDF3Variable:
     """One variable of an open NetCDF3 file: `shape`, `ndim`, `dtype` (native-endian),
     `attrs`, `dimensions`, `chunks` (None: NetCDF3 is not chunked), and slicing that returns

@@ -16,8 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spmd.data.netcdf3 import netcdf3_kind
-from spmd.data.stores import NETCDF_SUFFIXES, ArrayDataError
+from spmd.data.stores import NETCDF_SUFFIXES, XARRAY_ENGINES, ArrayDataError, detect_format
 
 __all__ = ["rechunk"]
 
@@ -51,7 +50,7 @@ def _one(src: Path, dst: Path, time_chunk: int, complevel: int) -> None:
     import xarray as xr
 
     zarr = src.suffix == ".zarr" or (src / "zarr.json").exists()
-    engine = "zarr" if zarr else "scipy" if netcdf3_kind(src) else "h5netcdf"
+    engine = "zarr" if zarr else XARRAY_ENGINES.get(detect_format(src), "h5netcdf")
     with xr.open_dataset(src, engine=engine, chunks=None) as ds:
         ds = ds.load()
     encoding = _encoding(ds, time_chunk, zarr, complevel)

@@ -32,7 +32,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from spmd.data.netcdf3 import CONVERT, NetCDF3File, netcdf3_kind
+from spmd.data.netcdf3 import NetCDF3File, netcdf3_kind, unreadable_netcdf3
 from spmd.errors import SpmdError
 
 FORMATS = ("hdf5", "netcdf", "zarr", "npy")     # written by write_arrays; read: + netcdf3
@@ -40,6 +40,10 @@ NETCDF_SUFFIXES = (".nc", ".nc4", ".cdf", ".netcdf")
 HDF5_SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
 ZARR_SUFFIX = ".zarr"
 ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs")
+
+# the xarray backend that reads each format's CF metadata (spmd.data.gridded_timeline,
+# spmd.data.cf_decode, spmd.data.rechunk)
+XARRAY_ENGINES = {"netcdf": "h5netcdf", "netcdf3": "scipy", "zarr": "zarr"}
 
 OPENED: collections.Counter[str] = collections.Counter()
 
@@ -147,10 +151,10 @@ class Store:
                                  f"(left unchanged)") from None
 
     def _open_netcdf3(self) -> NetCDF3File:
+        why = unreadable_netcdf3(self.path)
+        if why is not None:
+            raise ArrayDataError(f"{self.where}: {why}")
         kind = netcdf3_kind(self.path)
-        if kind == "CDF5":
-            raise ArrayDataError(f"{self.where}: a NetCDF3 CDF5 (64-bit data) file, which spmd "
-                                 f"does not read; {CONVERT} (the file was left unchanged)")
         try:
             return NetCDF3File(self.path)
         except (OSError, ValueError, TypeError, IndexError) as e:   # SciPy's parse errors
