@@ -504,15 +504,16 @@ def gridded_plain_windows(path: Path, variables: tuple[str, ...], batch: int) ->
                 for a in range(0, n, RAW_BLOCK):
                     yield np.stack([f[v][a:a + RAW_BLOCK] for v in variables], -1)
 
-    made, carry = 0, None
+    made, last = 0, None
     for block in blocks():
-        frames = block if carry is None else np.concatenate([carry, block])
-        starts = np.arange(len(frames) - 1)
+        if last is not None:   # the window across the boundary: its two frames, one window
+            made += len(np.stack([last, block[0]])) - 1
+        starts = np.arange(len(block) - 1)
         for a in range(0, len(starts), batch):
             idx = starts[a:a + batch]
-            batch_windows = (frames[idx], frames[idx + 1])     # (input, target), copied
+            batch_windows = (block[idx], block[idx + 1])       # (input, target), copied
             made += len(batch_windows[0])
-        carry = frames[-1:]
+        last = block[-1]
     return made
 
 
