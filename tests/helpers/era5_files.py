@@ -107,7 +107,8 @@ def write_era5_years(root: Path, years: tuple[int, ...] = (2000, 2001, 2002), *,
                      gap_year: int | None = None, reversed_lat_year: int | None = None,
                      sst: bool = False, nan_at: tuple[str, int, int] | None = None,
                      legacy_cds: bool = False) -> list[Path]:
-    """One NetCDF4 file per year in `root` (era5_<year>.nc); the paths, in time order.
+    """One NetCDF4 file (NetCDF3 with `legacy_cds`) per year in `root` (era5_<year>.nc);
+    the paths, in time order.
 
     `gap_days` days are cut from the middle of `gap_year` (a gap in the time axis);
     `reversed_lat_year`'s file runs south to north; `sst` adds sea-surface temperature with

@@ -236,6 +236,7 @@ def test_a_damaged_chunk_is_named_with_file_variable_and_times(tmp_path):
     msg = one_line(e)
     assert str(paths[1]) in msg and "'t2m'" in msg and "time index 0.." in msg, msg
     assert "truncated or corrupt" in msg, msg
+    assert paths[1].read_bytes() == bytes(data)   # left as it is
 
 
 def test_rows_pickle_threads_and_shuffle(files):
