@@ -29,7 +29,8 @@ at the end, one per line, after Hydra's own report.
 
 The console (spmd.rundir.console): the ranks' stdout and stderr pass through this process,
 which leaves out Gloo's line per rank saying it connected to all its peers (`GLOO_CONNECTED`;
-any other line, and that line with fewer peers than expected, passes; `-v` passes all). The
+also when the ranks' lines arrive interleaved mid-line, `gloo_lines`; any other line, and
+that line with fewer peers than expected, passes; `-v` passes all). The
 ranks' stderr is a pipe, so SPMD_CONSOLE tells rank 0 whether this process's stderr is a
 terminal (a progress bar) or not (plain lines), and COLUMNS how wide it is.
 """
@@ -202,8 +203,40 @@ def quiet_line(line: bytes) -> bool:
     return m is not None and m.group(1) == m.group(2)
 
 
+# Gloo writes its connected line in seven writes (its std::cout is flushed at each piece), so
+# under one launcher the lines of several ranks arrive interleaved mid-line: "[Gloo] Rank
+# [Gloo] Rank 01 is connected to  is connected to 11 peer ranks. ...". These are its pieces.
+GLOO_PIECES = (b"[Gloo] Rank ", b" is connected to ", b" peer ranks. ",
+               b"Expected number of connected peer ranks is : ", b"\n")
+_DIGITS = re.compile(rb"\d+")
+
+
+def gloo_lines(data: bytes) -> int | None:
+    """The length of the Gloo connected lines, whole or interleaved, that `data` starts with
+    (as many line ends as lines begun); 0 when `data` so far could still be such lines; None
+    when it cannot."""
+    begun = ended = i = 0
+    while i < len(data):
+        if m := _DIGITS.match(data, i):
+            i = m.end()
+            continue
+        piece = next((p for p in GLOO_PIECES if data.startswith(p, i)), None)
+        if piece is None:
+            rest = data[i:]
+            return 0 if any(p.startswith(rest) for p in GLOO_PIECES) else None
+        i += len(piece)
+        begun += piece == GLOO_PIECES[0]
+        ended += piece == b"\n"
+        if ended > begun:
+            return None
+        if ended == begun:
+            return i
+    return 0
+
+
 class OutputFilter:
-    """A rank output stream, chunk by chunk, without its quiet lines (`quiet_line`).
+    """A rank output stream, chunk by chunk, without its quiet lines (`quiet_line`, and Gloo's
+    connected lines of several ranks interleaved: `gloo_lines`).
 
     Bytes pass as they come (a progress bar redraws a line without ending it); only the
     start of a line that may become a quiet one ("[Gloo]") is held until its end."""
@@ -222,6 +255,15 @@ class OutputFilter:
         data, self.held = self.held + data, b""
         out = []
         while data:
+            if not self.mid_line and data.startswith(self.MARK):
+                n = gloo_lines(data)
+                if n == 0:
+                    self.held = data   # wait for the ends of the lines begun
+                    break
+                if n is not None and (data.count(self.MARK, 0, n) > 1
+                                      or quiet_line(data[:n - 1])):
+                    data = data[n:]    # Gloo's lines, all peers connected: left out
+                    continue
             line, newline, rest = data.partition(b"\n")
             if self.mid_line:
                 out.append(line + newline)
@@ -229,7 +271,7 @@ class OutputFilter:
             elif newline:
                 if not quiet_line(line):
                     out.append(line + newline)
-            elif line.startswith(self.MARK) or self.MARK.startswith(line):
+            elif self.MARK.startswith(line):
                 self.held = line   # wait for its end
             else:
                 out.append(line)

@@ -173,6 +173,25 @@ def test_spmd_run_leaves_out_gloos_connection_lines_only():
     assert OutputFilter(quiet=False).feed(ok) == ok
 
 
+def test_spmd_run_leaves_out_gloos_lines_of_two_ranks_interleaved_mid_line():
+    """Gloo writes its line in pieces; two ranks' pieces arrive interleaved (seen in CI)."""
+    pieces = [[b"[Gloo] Rank ", r, b" is connected to ", b"1", b" peer ranks. ",
+               b"Expected number of connected peer ranks is : ", b"1", b"\n"]
+              for r in (b"0", b"1")]
+    merged = [p for pair in zip(*pieces) for p in pair]   # A, B, A, B, ...
+    keep = OutputFilter()
+    chunks = [b"compile 2.0 s\n", *merged, b"train 1/3\n"]
+    assert b"".join(keep.feed(c) for c in chunks) + keep.flush() == (
+        b"compile 2.0 s\ntrain 1/3\n")
+    # one line ends before the other (the last piece of rank 1 after rank 0's line end)
+    keep = OutputFilter()
+    late = [*merged[:-3], merged[-2], merged[-3], merged[-1]]
+    assert b"".join(keep.feed(c) for c in late) + keep.flush() == b""
+    # Gloo's pieces with something else in them pass, all of it
+    mixed = b"[Gloo] Rank 0 is connected to [Gloo] error\n"
+    assert OutputFilter().feed(mixed) == mixed
+
+
 def test_spmd_version_prints_the_versions_and_exits_0():
     r = subprocess.run([sys.executable, "-m", "spmd.cli", "--version"], capture_output=True,
                        text=True, env=clean_env(), cwd=REPO, timeout=120)
