@@ -4,9 +4,11 @@ Owns: argument parsing (`main`) and the subcommands (`<name>_cmd`). May import e
 nothing imports it.
 """
 
+from spmd.cli import ipython_probe
 from spmd.cli.early_signal import catch
 
 catch()  # `spmd run` / `spmd train`: a preemption signal from the first moment is recorded
+ipython_probe.install()  # before Flax: its colour probe need not import IPython (0.5 s a rank)
 
 from spmd.cli.main import main  # noqa: E402
 
