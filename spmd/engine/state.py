@@ -24,6 +24,7 @@ in fewer bits, sharded like the parameters, checkpointed and resharded with them
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -327,6 +328,16 @@ def state_layout(layout: ModelLayout, tx: optax.GradientTransformation, rules: R
     return StateLayout(shardings, abstract)
 
 
+def run_once_options() -> dict[str, int]:
+    """XLA options for a program that runs once (the initializer): LLVM's optimisation level
+    1, not XLA's default 2, which buys nothing for one call and costs most of its compile
+    time (CPU: the FNO's and the tiny transformer's initializers, 3.5 s -> 1.3 s; the same
+    bits, checked on both). An optimisation level the user set in XLA_FLAGS stays theirs."""
+    if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {"xla_backend_optimization_level": 1}
+
+
 def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
                   layout: StateLayout) -> Callable[[], TrainState]:
     """A jitted initializer (model and RNG key from `seed`, `train.seed`) whose outputs land
@@ -342,4 +353,14 @@ def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
                           opt_state=tx.init(params), rng=train_rng(seed),
                           ema=init_ema(params) if with_ema else None)
 
-    return jax.jit(init, out_shardings=layout.shardings)
+    jitted = jax.jit(init, out_shardings=layout.shardings)
+
+    compiled: list = []   # compiled on the first call, kept for more
+
+    def init_once() -> TrainState:
+        if not compiled:
+            compiled.append(jitted.lower().compile(compiler_options=run_once_options()))
+        return compiled[0]()
+
+    init_once.jitted = jitted   # compiled with XLA's defaults when called (a test compares)
+    return init_once
