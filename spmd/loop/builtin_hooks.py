@@ -101,7 +101,9 @@ class MetricsHook:
         self.writer = JsonlWriter(run_dir / "metrics.jsonl", enabled=is_main)
         self.batch = rt.sections.train.batch_size
         self.units = rt.task.tokens_per_example()
-        self.schedule = learning_rate(rt.sections)   # the optimizer's own definition
+        # the optimizer's own definition, jitted: called eagerly, each of its jnp operations
+        # compiles a program of its own in every new process (7 for a cosine schedule)
+        self.schedule = jax.jit(learning_rate(rt.sections))
         self.host = jax.devices("cpu")[0]   # the schedule is evaluated here, not on a GPU
         self.flop_rate = FlopRate.create(rt.task.flops_per_example(), self.batch,
                                          rt.mesh.size, rt.mesh.devices.flat[0].device_kind)

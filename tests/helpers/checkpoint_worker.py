@@ -22,7 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "mlp_tiny.yaml"
-BASE = ("run.progress=false", "run.log_every=1")
+# no plots: matplotlib's half a second of CPU at each run's end, and no test of these reads them
+BASE = ("run.progress=false", "run.log_every=1", "run.plots=false")
 
 
 def _env(devices: int, **extra: str) -> dict[str, str]:
