@@ -49,7 +49,7 @@ def main_job(tmp_path_factory) -> MainJob:
     assert install.startswith("pip install -e '.[local"), install  # done by the test runner
     clone = tmp_path_factory.mktemp("main_job") / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    env = clean_env(fast_compile=False, PYTHONPATH=str(clone))  # 300 steps: runs, not compiles
+    env = clean_env(fast_compile=False, PYTHONPATH=str(clone))  # 200 steps: runs, not compiles
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
     for command in rest:
         r = subprocess.run(shlex.split(command), cwd=clone, env=env, capture_output=True,
@@ -121,7 +121,7 @@ def test_the_trained_main_job_evaluates_predicts_exports_and_reads_with_plain_or
     last = [json.loads(x) for x in (run_dir / "metrics.jsonl").open() if "test_rel_l2" in x][-1]
     # spmd eval: the last evaluation of the run, recomputed on one process
     report = json.loads(spmd_cli("eval", "runs/fno_darcy", "--json").stdout)
-    assert report["step"] == last["step"] == 300
+    assert report["step"] == last["step"] == 200
     assert report["metrics"]["test_rel_l2"] == pytest.approx(last["test_rel_l2"], rel=1e-5)
     # spmd predict over the test split: its relative L2 error is the evaluated one
     spmd_cli("predict", "runs/fno_darcy", "--input", "data/darcy_g64.h5", "--output",
@@ -156,8 +156,8 @@ model = nnx.merge(graphdef, state)
 params = nnx.to_pure_dict(nnx.state(model))
 """
     dump = "\nnp.savez(sys.argv[1], *[np.asarray(x) for x in jax.tree.leaves(params)])\n"
-    snippet = orbax_snippet().replace("runs/fno_darcy/checkpoints/300",
-                                      str(run_dir / "checkpoints" / "300"))
+    snippet = orbax_snippet().replace("runs/fno_darcy/checkpoints/200",
+                                      str(run_dir / "checkpoints" / "200"))
     for name, code in (("flax", flax_recipe), ("orbax", "import sys, numpy as np\n" + snippet)):
         out = tmp_path / f"{name}.npz"
         run_python(code + dump, out, cwd=tmp_path, env=env)

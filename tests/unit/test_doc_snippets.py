@@ -69,7 +69,7 @@ def test_flax_restore_recipe_builds_a_with_partitioning_model_with_no_mesh(tmp_p
 
 
 def test_plain_orbax_snippet_takes_its_relative_path(tmp_path, monkeypatch):
-    """Run verbatim in a directory whose runs/fno_darcy/checkpoints/300/params is an Orbax
+    """Run verbatim in a directory whose runs/fno_darcy/checkpoints/200/params is an Orbax
     item of a pure dict, as spmd's persistent tier writes it."""
     import orbax.checkpoint as ocp
 
@@ -77,7 +77,7 @@ def test_plain_orbax_snippet_takes_its_relative_path(tmp_path, monkeypatch):
                         "bias": np.ones(4, np.float32)}}
     monkeypatch.chdir(tmp_path)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "runs/fno_darcy/checkpoints/300/params", params)
+        checkpointer.save(tmp_path / "runs/fno_darcy/checkpoints/200/params", params)
     scope: dict = {}
     exec(compile(snippet("docs/checkpointing.md", "checkpointer.metadata"),
                  "plain orbax", "exec"), scope)

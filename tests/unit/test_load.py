@@ -130,12 +130,12 @@ def test_the_params_item_alone_loads_without_optimizer_state_also_with_plain_orb
     assert same_bytes(trained.params, final)
 
     snippet = orbax_snippet()
-    assert ONE_DEVICE in snippet and 'step_dir = "runs/fno_darcy/checkpoints/300"' in snippet
+    assert ONE_DEVICE in snippet and 'step_dir = "runs/fno_darcy/checkpoints/200"' in snippet
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
     assert mesh.size == 8
     snippet = snippet.replace(ONE_DEVICE, "device = jax.sharding.NamedSharding(mesh, "
                                           "jax.sharding.PartitionSpec('x'))")
-    snippet = snippet.replace("runs/fno_darcy/checkpoints/300", str(step_dir))
+    snippet = snippet.replace("runs/fno_darcy/checkpoints/200", str(step_dir))
     scope: dict = {"mesh": mesh}
     exec(compile(snippet, "docs/checkpointing.md (plain Orbax)", "exec"), scope)
     params = scope["params"]   # Orbax's pure dict: keys as strings ('0' for nnx.List's 0)
