@@ -28,13 +28,12 @@ variable that carries CF coding (`scale_factor`, `add_offset`, a non-NaN `_FillV
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from spmd.data.stores import XARRAY_ENGINES, ArrayDataError
+from spmd.data.stores import XARRAY_ENGINES, ArrayDataError, open_xarray
 
 __all__ = ["CF_FORMATS", "Coding", "coding_of", "decode", "has_cf_coding", "stored_coding"]
 
@@ -145,17 +144,10 @@ def stored_coding(path: Any, fmt: str, dataset: str, attrs: Any, where: str) -> 
     it or it uses `_Unsigned`."""
     if fmt not in CF_FORMATS or not has_cf_coding(attrs):
         return None
-    import xarray as xr
-
     group, _, name = str(dataset).strip("/").rpartition("/")
-    kw: dict[str, Any] = {"engine": XARRAY_ENGINES[fmt]}
-    if fmt == "zarr":
-        kw["consolidated"] = None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata
-            ds = xr.open_dataset(path, group=group or None, chunks=None, decode_times=False,
-                                 decode_timedelta=False, **kw)
+        ds = open_xarray(path, fmt, group=group or None, decode_times=False,
+                         decode_timedelta=False)
         with ds:
             if name not in ds.variables:
                 raise KeyError(name)

@@ -29,7 +29,6 @@ import collections
 import dataclasses
 import json
 import logging
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ import numpy as np
 from spmd.data.cf_decode import Coding, coding_of
 from spmd.data.channels import COORDINATE_CONSTANTS, Channel
 from spmd.data.netcdf3 import unreadable_netcdf3
-from spmd.data.stores import XARRAY_ENGINES, ArrayDataError, detect_format, fingerprint
+from spmd.data.stores import ArrayDataError, detect_format, fingerprint, open_xarray
 
 __all__ = ["FileAxes", "Timeline", "VarInfo", "build_timeline", "scan_file"]
 
@@ -80,14 +79,7 @@ class FileAxes:
 
 
 def _open(path: Path, fmt: str) -> Any:
-    import xarray as xr
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata
-        if fmt == "zarr":
-            return xr.open_dataset(path, engine="zarr", consolidated=None, chunks=None)
-        return xr.open_dataset(path, engine=XARRAY_ENGINES.get(fmt, "h5netcdf"), chunks=None,
-                               cache=False)
+    return open_xarray(path, fmt) if fmt == "zarr" else open_xarray(path, fmt, cache=False)
 
 
 def _role_dims(ds: Any) -> dict[str, str]:

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,20 @@ ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs")
 # the xarray backend that reads each format's CF metadata (spmd.data.gridded_timeline,
 # spmd.data.cf_decode, spmd.data.rechunk)
 XARRAY_ENGINES = {"netcdf": "h5netcdf", "netcdf3": "scipy", "zarr": "zarr"}
+
+
+def open_xarray(path: Any, fmt: str, **kwargs: Any) -> Any:
+    """xarray's lazy dataset (`chunks=None`) of the store at `path` of format `fmt`, through
+    its engine (`XARRAY_ENGINES`; NetCDF4's for a format not there); a Zarr store with or
+    without consolidated metadata, xarray's warning about the latter silenced."""
+    import xarray as xr
+
+    if fmt == "zarr":
+        kwargs.setdefault("consolidated", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # zarr: no consolidated metadata
+        return xr.open_dataset(path, engine=XARRAY_ENGINES.get(fmt, "h5netcdf"), chunks=None,
+                               **kwargs)
 
 OPENED: collections.Counter[str] = collections.Counter()
 
