@@ -24,6 +24,7 @@ in fewer bits, sharded like the parameters, checkpointed and resharded with them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import zlib
 from collections.abc import Callable
@@ -355,12 +356,12 @@ def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
 
     jitted = jax.jit(init, out_shardings=layout.shardings)
 
-    compiled: list = []   # compiled on the first call, kept for more
+    @functools.cache   # compiled on the first call, kept for more
+    def compiled() -> Callable[[], TrainState]:
+        return jitted.lower().compile(compiler_options=run_once_options())
 
     def init_once() -> TrainState:
-        if not compiled:
-            compiled.append(jitted.lower().compile(compiler_options=run_once_options()))
-        return compiled[0]()
+        return compiled()()
 
     init_once.jitted = jitted   # compiled with XLA's defaults when called (a test compares)
     return init_once
