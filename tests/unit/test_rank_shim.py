@@ -55,10 +55,37 @@ def test_a_signal_sent_just_as_the_shim_starts_to_wait_is_never_lost():
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGUSR2)
         try:
-            assert proc.wait(timeout=20) == 76, f"attempt {attempt}: {proc.stderr.read()}"
+            try:
+                status = proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                # what a lost signal would look like: both still alive, SIGUSR2 pending or not
+                raise AssertionError(f"attempt {attempt}: no exit 20 s after SIGUSR2; "
+                                     f"{process_states(proc.pid)}") from None
+            assert status == 76, f"attempt {attempt}: {proc.stderr.read()}"
         finally:
             proc.kill()
             proc.communicate()
+
+
+def process_states(pid: int) -> str:
+    """The shim's and its children's state and signal masks, from /proc, for a failure."""
+    fields = ("State", "SigPnd", "ShdPnd", "SigBlk", "SigCgt", "voluntary_ctxt_switches")
+    lines = []
+    children = []
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        pass
+    for one in [str(pid), *children]:
+        try:
+            status = Path(f"/proc/{one}/status").read_text().splitlines()
+            wchan = Path(f"/proc/{one}/wchan").read_text()
+        except OSError as e:
+            lines.append(f"pid {one}: {e}")
+            continue
+        kept = [line.replace("\t", " ") for line in status if line.split(":")[0] in fields]
+        lines.append(f"pid {one} (wchan {wchan}): " + ", ".join(kept))
+    return "; ".join(lines) + f"; load {Path('/proc/loadavg').read_text().strip()}"
 
 
 def test_a_signal_after_the_rank_ended_leaves_the_exit_status_as_it_was():
