@@ -18,7 +18,7 @@ status 128+S, so Hydra's proxy does not SIGKILL the other ranks and they can nam
 The exit status of `spmd train`'s ranks is the table's (spmd.errors.ExitCode), decided
 from the ranks' own statuses, which the shims leave in this process's temporary folder
 (SPMD_RUN_TMPDIR, also where the ranks keep their exit marks), not from what the launcher
-makes of them (Hydra ORs them: 69 | 137 = 205): see `job_status`. Once every rank has left
+makes of them (Hydra ORs them: 69 | 137 = 205): see spmd.cli.job_status. Once every rank has left
 its status, mpiexec is given OUTLIVE_S to end, then ended (Open MPI's mpirun, signalled
 itself by a whole-job SIGTERM, would wait out its odls_base_sigkill_timeout). The folder is
 removed on every way out that still runs Python. A preemption signal that reaches this
@@ -28,11 +28,8 @@ When the ranks fail, the ERROR lines they wrote to run.dir/logs during this job 
 at the end, one per line, after Hydra's own report.
 
 The console (spmd.rundir.console): the ranks' stdout and stderr pass through this process,
-which leaves out Gloo's line per rank saying it connected to all its peers (`GLOO_CONNECTED`;
-also when the ranks' lines arrive interleaved mid-line, `gloo_lines`; any other line, and
-that line with fewer peers than expected, passes; `-v` passes all). The
-ranks' stderr is a pipe, so SPMD_CONSOLE tells rank 0 whether this process's stderr is a
-terminal (a progress bar) or not (plain lines), and COLUMNS how wide it is.
+less Gloo's line per rank saying it connected to all its peers (spmd.cli.rank_output; `-v`
+passes all).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -50,22 +46,21 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO
 
 import psutil
 
 from spmd.cli import early_signal
+from spmd.cli.job_status import job_status, killed_starting, rank_statuses, received
+from spmd.cli.rank_output import OutputFilter, console_env, copy_output
 from spmd.cli.train_cmd import add_verbose, verbose_overrides
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import rank_shim
 from spmd.launch.watchdog import launcher_environ
-from spmd.rundir.console import CONSOLE_VAR
 
 MPIEXEC_VAR = "SPMD_MPIEXEC"   # the launcher to use instead of the embedded MPI's mpiexec
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 ENDING = (signal.SIGTERM, signal.SIGINT)   # the ranks save and stop, or are killed
-PREEMPTING = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # a rank's watcher's signals
 KILL_WAIT_S = 30.0       # launch.kill_wait_s's default, for entries other than train
 DEFAULT_SAVE_S = 600.0   # checkpoint.timeout_s's default, for entries other than train
 DRAIN_S = 5.0            # how long the ranks' output may still come after mpiexec ended
@@ -82,12 +77,6 @@ _STALE_NAMES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID",
                 "MPI_LOCALNRANKS", "SPMD_RANK", "SPMD_SIZE", "SPMD_LOCAL_RANK",
                 "SPMD_LOCAL_SIZE", "SPMD_NODE_ID", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES",
                 "JAX_COORDINATOR_ADDRESS", "JAX_LOCAL_DEVICE_IDS")
-# Gloo (the CPU collectives) says this once per rank when it connects; the same with fewer
-# peers than expected is news, and passes.
-GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                            rb"Expected number of connected peer ranks is : (\d+)\s*")
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run N local ranks of `spmd train` through the installed MPI")
     p.add_argument("-n", "--np", dest="n", type=int, required=True, metavar="N",
@@ -186,126 +175,6 @@ def check_lease(config: str, overrides: list[str]) -> tuple[Path, float, float]:
     return Path(cfg.run.dir), cfg.checkpoint.timeout_s, cfg.launch.kill_wait_s
 
 
-def console_env(env: dict[str, str], stream: IO[str]) -> dict[str, str]:
-    """`env` with SPMD_CONSOLE (tty | plain: what `stream`, this process's stderr, is) and,
-    for a terminal, COLUMNS; values the user set stay."""
-    env = dict(env)
-    terminal = stream.isatty()
-    env.setdefault(CONSOLE_VAR, "tty" if terminal else "plain")
-    if terminal:
-        env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
-    return env
-
-
-def quiet_line(line: bytes) -> bool:
-    """Whether a complete output line of a rank is one the console goes without."""
-    m = GLOO_CONNECTED.fullmatch(line)
-    return m is not None and m.group(1) == m.group(2)
-
-
-# Gloo writes its connected line in seven writes (its std::cout is flushed at each piece), so
-# under one launcher the lines of several ranks arrive interleaved mid-line: "[Gloo] Rank
-# [Gloo] Rank 01 is connected to  is connected to 11 peer ranks. ...". These are its pieces.
-GLOO_PIECES = (b"[Gloo] Rank ", b" is connected to ", b" peer ranks. ",
-               b"Expected number of connected peer ranks is : ", b"\n")
-_DIGITS = re.compile(rb"\d+")
-
-
-def gloo_lines(data: bytes) -> int | None:
-    """The length of the Gloo connected lines, whole or interleaved, that `data` starts with
-    (as many line ends as lines begun); 0 when `data` so far could still be such lines; None
-    when it cannot."""
-    begun = ended = i = 0
-    while i < len(data):
-        if m := _DIGITS.match(data, i):
-            i = m.end()
-            continue
-        piece = next((p for p in GLOO_PIECES if data.startswith(p, i)), None)
-        if piece is None:
-            rest = data[i:]
-            return 0 if any(p.startswith(rest) for p in GLOO_PIECES) else None
-        i += len(piece)
-        begun += piece == GLOO_PIECES[0]
-        ended += piece == b"\n"
-        if ended > begun:
-            return None
-        if ended == begun:
-            return i
-    return 0
-
-
-class OutputFilter:
-    """A rank output stream, chunk by chunk, without its quiet lines (`quiet_line`, and Gloo's
-    connected lines of several ranks interleaved: `gloo_lines`).
-
-    Bytes pass as they come (a progress bar redraws a line without ending it); only the
-    start of a line that may become a quiet one ("[Gloo]") is held until its end."""
-
-    MARK = b"[Gloo]"
-
-    def __init__(self, quiet: bool = True):
-        self.quiet = quiet
-        self.held = b""        # the start of a line that may be quiet
-        self.mid_line = False  # the current line's start was passed on already
-
-    def feed(self, data: bytes) -> bytes:
-        """What of `data` to write now."""
-        if not self.quiet:
-            return data
-        data, self.held = self.held + data, b""
-        out = []
-        while data:
-            if not self.mid_line and data.startswith(self.MARK):
-                n = gloo_lines(data)
-                if n == 0:
-                    self.held = data   # wait for the ends of the lines begun
-                    break
-                if n is not None and (data.count(self.MARK, 0, n) > 1
-                                      or quiet_line(data[:n - 1])):
-                    data = data[n:]    # Gloo's lines, all peers connected: left out
-                    continue
-            line, newline, rest = data.partition(b"\n")
-            if self.mid_line:
-                out.append(line + newline)
-                self.mid_line = not newline
-            elif newline:
-                if not quiet_line(line):
-                    out.append(line + newline)
-            elif self.MARK.startswith(line):
-                self.held = line   # wait for its end
-            else:
-                out.append(line)
-                self.mid_line = True
-            data = rest
-        return b"".join(out)
-
-    def flush(self) -> bytes:
-        """What is left at the end of the stream."""
-        held, self.held = self.held, b""
-        return held
-
-
-def copy_output(source: IO[bytes], target: IO[bytes], keep: OutputFilter) -> None:
-    """Copy `source` to `target` through `keep` until its end (a thread per stream). A
-    target that is gone (closed pipe) is drained anyway, so that no rank blocks writing."""
-    fd = source.fileno()
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            data = b""
-        out = keep.feed(data) if data else keep.flush()
-        if out:
-            try:
-                target.write(out)
-                target.flush()
-            except (OSError, ValueError):
-                pass
-        if not data:
-            source.close()
-            return
-
-
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL mpiexec and every process below it (the ranks run in sessions of their own,
     so a process group does not reach them; a stopped rank ends on nothing else)."""
@@ -378,68 +247,6 @@ def error_lines(run_dir: Path, before: dict[Path, int], limit: int = 20) -> list
             continue
         found += [line for line in text.splitlines() if " ERROR " in line]
     return found[-limit:]
-
-
-def rank_statuses(folder: Path) -> list[int]:
-    """The exit statuses the rank shims left in `folder` (one per rank that ended)."""
-    found = []
-    for path in folder.glob("status-*"):
-        if path.suffix == ".tmp":
-            continue
-        try:
-            found.append(int(path.read_text().strip()))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def job_status(statuses: list[int], n: int, signalled: int | tuple[int, ...] | None = None
-               ) -> int | None:
-    """The job's status in the table (ExitCode) from its `n` ranks' own `statuses`; None
-    when some rank left none (its shim was killed: the launcher's status stands).
-
-    - every rank 0: 0; every non-zero status the same: that one;
-    - `signalled` (the signal this process forwarded to the ranks, or several: the one it
-      received too, which a whole-job signal also sends every rank directly) a preemption
-      signal, and each rank either stopped for it (75), died of one of them before it could
-      act on it (128+S: its first moment, before Python ran) or finished (0: the run was at
-      its end): PREEMPTED;
-    - else a status of the table other than ORPHANED (the cause; the others follow it: a
-      failure's, a hang's), the most frequent one; else ORPHANED when a rank was lost (died
-      by a signal, 128+S) or a survivor named it so.
-    """
-    if len(statuses) < n:
-        return None
-    failed = [c for c in statuses if c != 0]
-    if not failed:
-        return ExitCode.OK
-    table = {int(c) for c in ExitCode}
-    if len(set(failed)) == 1 and (failed[0] <= 128 or failed[0] in table):
-        return failed[0]   # (130: Ctrl-C, which the ranks take as KeyboardInterrupt)
-    sent = (signalled,) if isinstance(signalled, int) else tuple(signalled or ())
-    if any(s in PREEMPTING for s in sent) and all(
-            c == ExitCode.PREEMPTED or c - 128 in sent for c in failed):
-        return ExitCode.PREEMPTED
-    causes = [c for c in failed if c != ExitCode.ORPHANED and c <= 128]
-    if causes:
-        return max(sorted(set(causes)), key=causes.count)
-    return ExitCode.ORPHANED
-
-
-def killed_starting(statuses: list[int], code: int, signalled: tuple[int, ...]) -> bool:
-    """Whether the ranks without a status died of the preemption signal this process sent,
-    in their shim's first moment, before its Python could block it (the shim then leaves no
-    status): the launcher reports that signal (`code`: S or 128+S), and every rank that left
-    a status stopped for it, died of it or finished."""
-    deaths = {s for sig in signalled for s in (sig, 128 + sig)}
-    return (any(s in PREEMPTING for s in signalled) and code in deaths
-            and all(c in (0, ExitCode.PREEMPTED) or c - 128 in signalled for c in statuses))
-
-
-def received(ending: dict[str, float]) -> tuple[int, ...]:
-    """The signals the ranks may have had from this job's ending: the one forwarded to them,
-    and the one this process received (a whole-job signal reaches every rank directly)."""
-    return tuple(int(ending[k]) for k in ("forwarded", "signal") if k in ending)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from spmd.cli.main import build_parser
-from spmd.cli.run_cmd import OutputFilter, console_env
+from spmd.cli.rank_output import OutputFilter, console_env
 from spmd.cli.train_cmd import verbose_overrides
 from spmd.rundir.console import CONSOLE_VAR, Narrator, Progress, is_terminal, phase_line
 from spmd.rundir.metrics import EventLog, setup_logging

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from spmd.cli import early_signal
-from spmd.cli.run_cmd import job_status, rank_statuses
+from spmd.cli.job_status import job_status, rank_statuses
 from spmd.errors import ExitCode
 from spmd.launch import rank_shim
 from spmd.launch.preemption import PreemptionWatcher

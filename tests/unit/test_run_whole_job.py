@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from spmd.cli.run_cmd import job_status, killed_starting, received
+from spmd.cli.job_status import job_status, killed_starting, received
 from spmd.errors import ExitCode
 
 TERM, USR1 = int(signal.SIGTERM), int(signal.SIGUSR1)
