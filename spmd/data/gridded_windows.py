@@ -23,8 +23,8 @@ Invariants:
 - Reads go by time blocks that follow the files' time chunks (a multiple of the chunk of
   about 8 MiB of frames, or 8 MiB of rows of an unchunked file), decoded once and kept in
   a small cache (`cache_bytes`): windows of neighbouring times (data.shuffle_block's
-  blocks) are cut from blocks in memory. NetCDF4 blocks are read with h5py (the same raw
-  values as h5netcdf, without its per-access cost); a block is checked for NaN once, and
+  blocks) are cut from blocks in memory. The files are read by spmd.data.gridded_reads
+  (NetCDF4 with h5py directly); a block is checked for NaN once, and
   a window of NaN-free blocks is copied frame by frame straight into the batch's pooled
   buffers (docs/performance.md, section 7, weather files).
 - data.nan: error (default) raises on the first NaN of a window, one line naming the file,
@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import collections
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,9 @@ import numpy as np
 from spmd.data.arrays import ArraySource, Region
 from spmd.data.batch import BatchField
 from spmd.data.cf_decode import decode
-from spmd.data.channels import COORDINATE_CONSTANTS, Channel, channel_table, parse_channels
-from spmd.data.gridded_timeline import FileAxes, Timeline, build_timeline, level_index
+from spmd.data.channels import Channel, channel_table, parse_channels
+from spmd.data.gridded_reads import GriddedReader
+from spmd.data.gridded_timeline import FileAxes, Timeline, build_timeline
 from spmd.data.normalization import Moments
 from spmd.data.stores import ArrayDataError
 from spmd.data.time_splits import split_range
@@ -164,10 +166,7 @@ class GriddedWindowSource(ArraySource):
         self._block_rows: int = 1
         self._block_nan: dict[tuple[int, int], bool] = {}   # block -> holds a NaN
         self._cache_lock = threading.Lock()
-        self._h5: dict[int, Any] = {}            # timeline file -> h5py.File (NetCDF4 reads)
-        self._h5_nodes: dict[tuple[int, str], Any] = {}   # (file, variable) -> its dataset
-        self._h5_lock = threading.Lock()
-        self._scratch = threading.local()        # per reading thread: dtype -> buffer
+        self._reader: GriddedReader | None = None   # the files' reads (built with the timeline)
 
     @property
     def timeline(self) -> Timeline:
@@ -190,6 +189,10 @@ class GriddedWindowSource(ArraySource):
         index = {str(Path(p)): i for i, p in enumerate(paths)}
         self._member_of = [index[str(f.path)] for f in tl.files]
         self._timeline = tl
+        if self._reader is not None:
+            self._reader.close()
+        me = weakref.proxy(self)   # no cycle: a dropped source frees its blocks at once
+        self._reader = GriddedReader(tl, lambda k: me._member(me._member_of[k]), self.where)
         self._offsets_list = [int(o) for o in tl.offsets]
         start, end = self.time_range
         self._starts = tl.window_starts(self.span, self.stride, start, end)
@@ -224,7 +227,8 @@ class GriddedWindowSource(ArraySource):
                                  f"'{self.split}' holds {total}; lower the count")
         self._block_rows = self._choose_block_rows()
         if self.constants:
-            self._const = self._read_constants()
+            self._const = self._reader.constants(self.constants,
+                                                 self.standardize_constants)
         return total if count is None else int(count)
 
     def _choose_block_rows(self) -> int:
@@ -376,93 +380,8 @@ class GriddedWindowSource(ArraySource):
     def read_channel(self, k: int, channel: Channel, lo: int, hi: int) -> np.ndarray:
         """Rows [lo, hi) of timeline file k's `channel`, decoded (xarray's dtype), as
         (time, latitude, longitude) in the timeline's latitude order."""
-        f = self.timeline.files[k]
-        values = decode(self._read_raw(k, channel, lo, hi), f.variables[channel.variable].coding)
-        return values[:, ::-1] if f.flip_lat else values
-
-    def _h5_array(self, k: int, name: str) -> Any:
-        """Variable `name` of NetCDF4 timeline file k as an h5py dataset (a NetCDF4 variable
-        of the root group is the HDF5 dataset of its name), or None (then read through the
-        store): h5py reads a block without h5netcdf's per-access bookkeeping."""
-        f = self._timeline.files[k]
-        if f.format != "netcdf":
-            return None
-        with self._h5_lock:
-            if (k, name) in self._h5_nodes:   # h5py's lookup by name costs ~0.2 ms a call
-                return self._h5_nodes[(k, name)]
-            handle = self._h5.get(k)
-            if handle is None:
-                import h5py
-
-                try:
-                    handle = h5py.File(f.path, "r")
-                except OSError as e:   # file systems without flock
-                    if "lock" not in str(e).lower():
-                        return None
-                    handle = h5py.File(f.path, "r", locking=False)
-                self._h5[k] = handle
-            node = handle.get(name)
-            node = node if node is not None and hasattr(node, "shape") else None
-            self._h5_nodes[(k, name)] = node
-            return node
-
-    def _read_raw(self, k: int, channel: Channel, lo: int, hi: int,
-                  scratch: bool = False) -> np.ndarray:
-        """Rows [lo, hi) of timeline file k's `channel` as stored (raw, not decoded), as
-        (time, latitude, longitude), latitude as stored. `scratch`: a NetCDF4 variable
-        stored (time, latitude, longitude) is read straight into this thread's reused buffer
-        (h5py `read_direct`: no new array, no page faults of fresh memory); the result is
-        then valid only until this thread's next scratch read."""
-        f = self.timeline.files[k]
-        var = f.variables[channel.variable]
-        if scratch and var.dims == (f.dims["time"], f.dims["lat"], f.dims["lon"]):
-            array = self._h5_array(k, channel.variable)
-            if array is not None:
-                return self._read_scratch(k, channel, array, lo, hi)
-        index: list[Any] = []
-        keep: list[str] = []
-        for dim in var.dims:
-            if dim == f.dims["time"]:
-                index.append(slice(lo, hi))
-                keep.append("time")
-            elif dim == f.dims.get("level"):
-                index.append(level_index(f, channel, self.where))
-            else:
-                index.append(slice(None))
-                keep.append("lat" if dim == f.dims["lat"] else "lon")
-        try:
-            array = self._h5_array(k, channel.variable)
-            if array is not None:
-                raw = np.asarray(array[tuple(index)])
-            else:
-                with self._member(self._member_of[k]) as store:
-                    array = store.get(channel.variable, "data.variables")
-                    raw = np.asarray(array[tuple(index)])
-        except (OSError, KeyError, RuntimeError, ValueError) as e:  # a damaged chunk
-            raise self._read_error(k, channel, lo, hi, e) from None
-        order = [keep.index(d) for d in ("time", "lat", "lon")]
-        return raw if order == [0, 1, 2] else np.transpose(raw, order)
-
-    def _read_scratch(self, k: int, channel: Channel, array: Any, lo: int,
-                      hi: int) -> np.ndarray:
-        shape = (hi - lo, *array.shape[1:])
-        size, dtype = int(np.prod(shape)), np.dtype(array.dtype)
-        buffers = self._scratch.__dict__.setdefault("buffers", {})
-        if dtype not in buffers or buffers[dtype].size < size:
-            buffers[dtype] = np.empty(size, dtype)
-        out = buffers[dtype][:size].reshape(shape)
-        try:
-            array.read_direct(out, np.s_[lo:hi])
-        except (OSError, KeyError, RuntimeError, ValueError, TypeError) as e:  # a damaged chunk
-            raise self._read_error(k, channel, lo, hi, e) from None
-        return out
-
-    def _read_error(self, k: int, channel: Channel, lo: int, hi: int,
-                    e: Exception) -> ArrayDataError:
-        return ArrayDataError(
-            f"{self.where}: file {self.timeline.files[k].path}: reading variable "
-            f"'{channel.variable}' at time index {lo}..{hi - 1} failed ({type(e).__name__}: "
-            f"{e}); the file may be truncated or corrupt (left unchanged)")
+        self.check()
+        return self._reader.decoded(k, channel, lo, hi)
 
     def _block(self, k: int, b: int) -> np.ndarray:
         """Block b of timeline file k: decoded float32 (rows, lat, lon, C), cached."""
@@ -479,7 +398,7 @@ class GriddedWindowSource(ArraySource):
                                      len(self._timeline.lon), len(self.channels)), np.float32)
         has_nan = False                           # once per block: windows skip the check
         for i, c in enumerate(self.channels):     # one copy into the block (decoded)
-            raw = self._read_raw(k, c, lo, hi, scratch=True)
+            raw = self._reader.raw(k, c, lo, hi, scratch=True)
             coding = f.variables[c.variable].coding
             values = raw if coding.identity else decode(raw, coding)
             if values.dtype.kind == "f":
@@ -518,33 +437,6 @@ class GriddedWindowSource(ArraySource):
                 s, e = max(a, blk * n) - blk * n, min(b, (blk + 1) * n) - blk * n
                 out.append(block[s:e])
         return np.concatenate(out, axis=0, out=into)
-
-    def _read_constants(self) -> np.ndarray:
-        tl = self._timeline
-        f = tl.files[0]
-        out = []
-        lat2, lon2 = np.meshgrid(tl.lat, tl.lon, indexing="ij")
-        for name in self.constants:
-            if name in COORDINATE_CONSTANTS:
-                out.append(lat2 if name == "latitude" else lon2)
-                continue
-            var = f.variables[name]
-            with self._member(self._member_of[0]) as store:
-                raw = np.asarray(store.get(name, "data.constants")[...])
-            if var.dims[0] != f.dims["lat"]:
-                raw = raw.T
-            values = decode(raw, var.coding)
-            out.append(values[::-1] if f.flip_lat else values)
-        const = np.stack(out, axis=-1).astype(np.float64)
-        if np.isnan(const).any():
-            c = int(np.flatnonzero(np.isnan(const).reshape(-1, len(out)).any(0))[0])
-            raise ArrayDataError(f"{self.where}: file {f.path}: constant '{self.constants[c]}' "
-                                 f"(data.constants) holds NaN; a constant input must be "
-                                 f"finite everywhere")
-        if self.standardize_constants:
-            std = const.std(axis=(0, 1))
-            const = (const - const.mean(axis=(0, 1))) / np.where(std > 0, std, 1.0)
-        return const.astype(np.float32)
 
     def _nan_error(self, record: int, t0: int, window: np.ndarray) -> ArrayDataError:
         bad = np.isnan(window).reshape(window.shape[0], -1, window.shape[-1])
@@ -676,17 +568,13 @@ class GriddedWindowSource(ArraySource):
     def close(self) -> None:
         """Close the files (the store handles and the h5py handles of NetCDF4 reads)."""
         super().close()
-        with self._h5_lock:
-            self._h5_nodes.clear()
-            for handle in self._h5.values():
-                handle.close()
-            self._h5.clear()
+        if self._reader is not None:
+            self._reader.close()
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         for k in ("_timeline", "_starts", "_member_of", "_const", "_blocks", "_block_rows",
-                  "_cache_lock", "_offsets_list", "_block_nan", "_h5", "_h5_nodes",
-                  "_h5_lock", "_scratch"):
+                  "_cache_lock", "_offsets_list", "_block_nan", "_reader"):
             state.pop(k, None)
         return state
 

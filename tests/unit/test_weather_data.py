@@ -264,6 +264,29 @@ def test_rows_pickle_threads_and_shuffle(files):
     assert src.reads_by_file and sum(src.reads_by_file.values()) >= 6 * 4
 
 
+def test_a_dropped_source_frees_its_blocks_without_the_cycle_collector(files):
+    """A source that read blocks is gone the moment nothing refers to it: no reference
+    cycle (its file reader once held it through a closure), so its block cache is freed at
+    once and the next source's blocks reuse that memory (a new source per epoch ran at
+    0.6x when it lingered until a garbage collection)."""
+    import gc
+    import weakref
+
+    src = source(files["root"] / "nc", time_range=(None, END_2001))
+    src.rows(0, 0, 4)
+    assert src._blocks, "the source read no block"
+    gone = weakref.ref(src)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        src.close()
+        del src
+        assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+    finally:
+        if was:
+            gc.enable()
+
+
 # --------------------------------------------------------------------- the silent cases
 
 
