@@ -41,18 +41,12 @@ from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.listing import scan_local
 from spmd.checkpoint.local import LocalTier, partner_map
 from spmd.checkpoint.params_reader import ParamsCheckpoint, find_checkpoints, read_params
-from spmd.checkpoint.persistent import (
-    MANIFEST,
-    PARAMS,
-    PersistentTier,
-    persistent_error,
-    split_state,
-    without_fields,
-)
+from spmd.checkpoint.persistent import MANIFEST, PersistentTier, persistent_error
 from spmd.checkpoint.policy import CheckpointConfig, SavePolicy, tier_dirs
 from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
 from spmd.checkpoint.snapshot import Snapshot, Snapshotter
+from spmd.checkpoint.state_items import PARAMS, split_state, without_fields
 from spmd.checkpoint.transport import Transport
 
 if TYPE_CHECKING:

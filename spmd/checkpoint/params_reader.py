@@ -33,14 +33,8 @@ from spmd.checkpoint.interface import CheckpointError
 from spmd.checkpoint.layout import leaf_paths
 from spmd.checkpoint.listing import scan_local, scan_persistent
 from spmd.checkpoint.local import DATA, INDEX, MARKER, rank_name
-from spmd.checkpoint.persistent import (
-    LEGACY_ITEM,
-    PARAMS,
-    TRAIN_STATE,
-    read_manifest,
-    restore_args,
-    verify_files,
-)
+from spmd.checkpoint.persistent import read_manifest, restore_args, verify_files
+from spmd.checkpoint.state_items import LEGACY_ITEM, PARAMS, TRAIN_STATE
 
 log = logging.getLogger("spmd.checkpoint")
 

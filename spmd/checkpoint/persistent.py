@@ -53,6 +53,15 @@ from spmd.checkpoint.files import fsync_dir, remove_tree
 from spmd.checkpoint.finite import count_nonfinite, marked_finite
 from spmd.checkpoint.interface import CheckpointError
 from spmd.checkpoint.reader import Unsupported, read_item, supports
+from spmd.checkpoint.state_items import (
+    LEGACY_ITEM,
+    PARAMS,
+    TRAIN_STATE,
+    join_state,
+    present_fields,
+    split_state,
+    without_fields,
+)
 from spmd.checkpoint.step_manifest import (  # noqa: F401  (re-exported: the tier's names)
     FORMAT,
     FORMATS,
@@ -70,54 +79,6 @@ from spmd.comm.agreement import Coordinator
 log = logging.getLogger("spmd.checkpoint")
 
 TRASH = ".spmd-dropped-"  # a dropped step, renamed (atomic), removed in the background
-PARAMS, TRAIN_STATE, LEGACY_ITEM = "params", "train_state", "default"
-
-
-def split_state(state: Any) -> dict[str, Any]:
-    """The Orbax items of a state: {"params": its `params`, "train_state": the rest}.
-
-    A state with a `params` field (a dataclass such as spmd's TrainState) or key (a dict)
-    is split; any other pytree is saved whole as "train_state".
-    Fields that are None (absent: see `without_fields`) are left out.
-    """
-    if dataclasses.is_dataclass(state) and hasattr(state, "params"):
-        rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-                if f.name != "params" and getattr(state, f.name) is not None}
-        return {PARAMS: state.params, TRAIN_STATE: rest}
-    if isinstance(state, Mapping) and "params" in state:
-        return {PARAMS: state["params"],
-                TRAIN_STATE: {k: v for k, v in state.items()
-                              if k != "params" and v is not None}}
-    return {TRAIN_STATE: state}
-
-
-def _present_fields(state: Any) -> dict[str, Any] | None:
-    """A dataclass state's fields that are not None, as a dict (None: not a dataclass)."""
-    if not dataclasses.is_dataclass(state):
-        return None
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-            if getattr(state, f.name) is not None}
-
-
-def without_fields(state: Any, names: Sequence[str]) -> Any:
-    """`state` with the top-level fields `names` set to None (a dataclass) or dropped (a
-    dict): the state as a checkpoint written before those fields existed holds it."""
-    if not names:
-        return state
-    if dataclasses.is_dataclass(state):
-        return dataclasses.replace(state, **{n: None for n in names})
-    if isinstance(state, Mapping):
-        return {k: v for k, v in state.items() if k not in names}
-    return state
-
-
-def join_state(like: Any, items: Mapping[str, Any]) -> Any:
-    """Inverse of `split_state`, shaped like `like` (the abstract state restored onto)."""
-    if PARAMS not in items:
-        return items[TRAIN_STATE]
-    if dataclasses.is_dataclass(like):
-        return dataclasses.replace(like, params=items[PARAMS], **items[TRAIN_STATE])
-    return {PARAMS: items[PARAMS], **items[TRAIN_STATE]}
 
 
 def retained(manifests: dict[int, dict | None], keep: int) -> set[int]:
@@ -457,14 +418,14 @@ class PersistentTier:
         missing = tuple(n for n in optional if stored is not None and n not in stored)
         target = without_fields(abstract_state, missing)
         unread = [n for n in optional if stored is not None and n in stored
-                  and _present_fields(target) is not None and n not in _present_fields(target)]
+                  and present_fields(target) is not None and n not in present_fields(target)]
         if unread:
             log.info("persistent step %d holds %s, which this run's state does not have: "
                      "not restored", step, ", ".join(unread))
         partial = {LEGACY_ITEM if legacy else TRAIN_STATE} if unread else set()
         fields = None
         if legacy:  # the whole state in one item; absent fields are not in its tree
-            fields = _present_fields(target)
+            fields = present_fields(target)
             items = {LEGACY_ITEM: target if fields is None else fields}
         else:
             items = split_state(target)

@@ -30,7 +30,8 @@ import numpy as np
 from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import PieceId, SaveLayout, assemble
 from spmd.checkpoint.local import LocalCopy, LocalTier
-from spmd.checkpoint.persistent import PersistentTier, without_fields
+from spmd.checkpoint.persistent import PersistentTier
+from spmd.checkpoint.state_items import without_fields
 from spmd.checkpoint.transport import CollectSink, Incoming, Outgoing, Transport
 from spmd.comm.agreement import Coordinator
 
