@@ -16,17 +16,22 @@
    placement on the devices, after_s = the checkpointer's bookkeeping after it, from the
    `restore_timing` event). Every restore reads cold:
    the step's files are flushed and dropped from the page cache first (posix_fadvise), as
-   after a restart on another node.
+   after a restart on another node. `--restore-pairs` (3) pairs per repetition, which of
+   the two goes first alternating, each with a raw read after it.
 5. `--train-steps N`: training throughput with checkpoints every `--every` steps vs
    checkpoints off (target >= 0.95 when every x step time >= the background write time),
    and with Orbax's own async save at the same steps, in rotating windows of N steps.
    `--model 760m` (any size of benchmarks/gpu_mfu.py's ladder) trains the real transformer.
 
 Repetitions are interleaved (async, sync, persistent, Orbax, raw, then again), a warm-up round
-is not counted, and medians with min-max spread are reported. One process; on CPU the
-"device" is host memory, so the D2H copy is a memcpy.
+is not counted, and medians with min-max spread are reported. The two writes compared in 3
+(the persistent tier's, Orbax's own) take turns going first from one repetition to the next,
+as the two restores of a pair do in 4, so that neither always pays for what came before it
+(the previous repetition's reads, memory freed). One process; on CPU the "device" is host
+memory, so the D2H copy is a memcpy.
 
-    python benchmarks/checkpoint_bench.py [--mb 256 | --gb 9] [--reps 5] [--dir DIR]
+    python benchmarks/checkpoint_bench.py [--mb 256 | --gb 9] [--reps 5] [--restore-pairs 3]
+        [--dir DIR]
         [--snapshot auto|alias|host|pinned|device] [--compress] [--train-steps 40 --every 10]
         [--train-reps 3] [--model synthetic|tiny|760m]
     python benchmarks/checkpoint_bench.py --short      # CI: small state, never fails
@@ -152,6 +157,41 @@ def raw_read(path: Path, block: int = 32 << 20) -> float:
     return time.perf_counter() - t0
 
 
+def timed_orbax_write(orbax: OrbaxAsync, step: int, state) -> float:
+    """Seconds of Orbax's own write of `state` (fresh arrays) as step `step`: save and
+    wait_until_finished, nothing in between; no dirty pages before or after it."""
+    fresh = _bump(state)      # Orbax gets fresh arrays (np.asarray caches host copies)
+    jax_block(fresh)
+    os.sync()
+    began = time.perf_counter()
+    orbax.save(step, fresh)
+    orbax.wait()
+    took = time.perf_counter() - began
+    os.sync()
+    return took
+
+
+def cold_spmd_restore(ck, root: Path, step: int, abstract, events: Events
+                      ) -> tuple[float, dict]:
+    """Seconds of spmd's whole restore of persistent step `step` read cold, and its
+    `restore_timing` event (the phases)."""
+    evict(root / "checkpoints" / str(step))
+    began = time.perf_counter()
+    got = ck.restore(abstract)
+    jax_block(got.state)
+    took = time.perf_counter() - began
+    assert (got.step, got.source) == (step, "persistent"), (got.step, got.source)
+    return took, [e for e in events.records if e["event"] == "restore_timing"][-1]
+
+
+def cold_orbax_restore(orbax: OrbaxAsync, root: Path, step: int, abstract) -> float:
+    """Seconds of Orbax's own restore of its step `step`, read cold."""
+    evict(root / str(step))
+    began = time.perf_counter()
+    jax_block(orbax.restore(step, abstract))
+    return time.perf_counter() - began
+
+
 def evict(root: Path) -> None:
     """Drop the (clean, fsynced) pages of the files under `root` from the page cache, so that
     the next read comes from the disk, as after a restart."""
@@ -185,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                          "benchmarks/gpu_mfu.py's ladder (e.g. 760m; 'tiny', the --short "
                          "default, on CPU)")
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions (default 5)")
+    ap.add_argument("--restore-pairs", type=int, default=3,
+                    help="cold restore pairs (spmd's, Orbax's, alternating which goes first) "
+                         "per repetition (default 3): a restore takes a fraction of a second "
+                         "and single pairs swing with the disk")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where to write (default: a temp dir under the current directory)")
     ap.add_argument("--short", action="store_true", help="CI mode: 16 MiB, 2 repetitions")
@@ -192,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="persistent tier with zstd (checkpoint.compress=true)")
     args = ap.parse_args(argv)
     if args.short:
-        args.mb, args.reps = 16, 2
+        args.mb, args.reps, args.restore_pairs = 16, 2, 1
         args.train_steps = args.train_steps or 12
         args.every = 4
         args.train_reps = min(args.train_reps, 2)
@@ -264,6 +308,10 @@ def run(args: argparse.Namespace, base: Path) -> int:
         t2 = time.perf_counter()
         ck_sync.maybe_save(step, state)
         t3 = time.perf_counter()
+        # the two writes compared (the persistent tier's, Orbax's own) take turns going first
+        orbax_first = rep % 2 == 1
+        if orbax_first:
+            orbax_write_s = timed_orbax_write(orbax_write, step, state)
         os.sync()
         t3 = time.perf_counter()
         ck_pers.maybe_save(step, state)
@@ -284,29 +332,24 @@ def run(args: argparse.Namespace, base: Path) -> int:
         orbax.wait()
         orbax_total = time.perf_counter() - t6
         del fresh
-        fresh = _bump(state)
-        jax_block(fresh)
-        os.sync()
-        t7 = time.perf_counter()
-        orbax_write.save(step, fresh)
-        orbax_write.wait()
-        orbax_write_s = time.perf_counter() - t7
-        del fresh
+        if not orbax_first:
+            orbax_write_s = timed_orbax_write(orbax_write, step, state)
         os.sync()
         raw = raw_write(base / "raw.bin", pers_bytes, block)
-        # restores, cold: spmd's whole restore of the persistent step, Orbax's own, raw read
-        evict(base / "pers" / "checkpoints" / str(step))
-        t8 = time.perf_counter()
-        got = ck_pers.restore(abstract)
-        jax_block(got.state)
-        pers_restore = time.perf_counter() - t8
-        assert (got.step, got.source) == (step, "persistent"), (got.step, got.source)
-        del got
-        evict(base / "orbax-write" / str(step))
-        t9 = time.perf_counter()
-        jax_block(orbax_write.restore(step, abstract))
-        orbax_restore = time.perf_counter() - t9
-        read = raw_read(base / "raw.bin")
+        # restores, cold: spmd's whole restore of the persistent step, Orbax's own, raw read;
+        # --restore-pairs of them, which one goes first alternating from pair to pair
+        restores = []
+        for pair in range(args.restore_pairs):
+            spmd_first = (rep + pair) % 2 == 0
+            if spmd_first:
+                pers_restore, timing = cold_spmd_restore(ck_pers, base / "pers", step,
+                                                         abstract, pers_events)
+            orbax_restore = cold_orbax_restore(orbax_write, base / "orbax-write", step,
+                                               abstract)
+            if not spmd_first:
+                pers_restore, timing = cold_spmd_restore(ck_pers, base / "pers", step,
+                                                         abstract, pers_events)
+            restores.append((pers_restore, timing, orbax_restore, raw_read(base / "raw.bin")))
         (base / "raw.bin").unlink()
         saved = [e for e in pers_events.records if e["event"] == "saved" and e["step"] == step]
         # from the start of Orbax's save (in our background thread) until it finished
@@ -319,15 +362,15 @@ def run(args: argparse.Namespace, base: Path) -> int:
         phases.setdefault("other_s", []).append(
             (t5 - t3) - sum(saved[-1].get(k, 0.0) for k in (
                 "orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s")))
-        timing = [e for e in pers_events.records if e["event"] == "restore_timing"][-1]
-        for key in ("plan_s", "check_s", "orbax_s"):
-            restore_phases.setdefault(key, []).append(timing.get(key, 0.0))
-        # the rest of the checkpointer's restore: its bookkeeping after the read (newer steps)
-        restore_phases.setdefault("after_s", []).append(pers_restore - timing["total_s"])
+        for pers_restore, timing, orbax_restore, read in restores:
+            for key in ("plan_s", "check_s", "orbax_s"):
+                restore_phases.setdefault(key, []).append(timing.get(key, 0.0))
+            # the rest of the checkpointer's restore: its bookkeeping after the read
+            restore_phases.setdefault("after_s", []).append(pers_restore - timing["total_s"])
+            results["persistent_restore_s"].append(pers_restore)
+            results["orbax_restore_s"].append(orbax_restore)
+            results["raw_read_s"].append(read)
         results["orbax_write_s"].append(orbax_write_s)
-        results["persistent_restore_s"].append(pers_restore)
-        results["orbax_restore_s"].append(orbax_restore)
-        results["raw_read_s"].append(read)
         results["persistent_orbax_s"].append(orbax_write_in_tier)
         results["orbax_blocking_s"].append(orbax_blocking)
         results["orbax_total_s"].append(orbax_total)
@@ -384,7 +427,8 @@ def run(args: argparse.Namespace, base: Path) -> int:
     record = {
         "benchmark": "checkpoint", "mode": "short" if args.short else "full",
         "verdict": verdict, "machine": machine(), "state_bytes": nbytes, "devices": where,
-        "reps": args.reps, "dir": str(base.parent), "compress": args.compress,
+        "reps": args.reps, "restore_pairs": args.restore_pairs, "dir": str(base.parent),
+        "compress": args.compress,
         "snapshot": snapshot_mode, "versions": versions(),
         "async_blocking_s": stats(results["async_blocking_s"]),
         "sync_blocking_s": stats(results["sync_blocking_s"]),
