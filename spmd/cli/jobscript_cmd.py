@@ -111,7 +111,8 @@ def check_for_world(req: JobRequest, config: str, level: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spmd.hpc.batch_scripts import make_request, render, submit, submit_chain, write_script
+    from spmd.hpc.batch_scripts import make_request, render, write_script
+    from spmd.hpc.job_submit import submit, submit_chain
 
     req = make_request(
         args.config, system=args.system, nodes=args.nodes, time=args.time,

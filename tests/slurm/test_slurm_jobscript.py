@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from spmd.errors import ExitCode
-from spmd.hpc.batch_scripts import make_request, submit, write_script
+from spmd.hpc.batch_scripts import make_request, write_script
+from spmd.hpc.job_submit import submit
 from tests.helpers.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 from tests.unit.test_jobscript import FAKE_RANK
 

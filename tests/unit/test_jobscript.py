@@ -28,12 +28,11 @@ from spmd.hpc.batch_scripts import (
     HALT_FILE_NAME,
     format_walltime,
     make_request,
-    parse_job_id,
     parse_walltime,
     render,
-    submit_argv,
     write_script,
 )
+from spmd.hpc.job_submit import parse_job_id, submit_argv
 from spmd.hpc.systems import GPU_XLA_FLAGS, SYSTEMS, system_profile
 from tests.helpers.env import run_spmd
 

@@ -190,7 +190,7 @@ echo "$((40 + n));cluster"
 
 
 def test_jobscript_chain_submits_every_later_job_with_the_chain(tmp_path):
-    from spmd.hpc.batch_scripts import submit_argv, submit_chain
+    from spmd.hpc.job_submit import submit_argv, submit_chain
 
     (tmp_path / "sbatch").write_text(SBATCH)
     (tmp_path / "sbatch").chmod(0o755)
