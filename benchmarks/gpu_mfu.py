@@ -127,6 +127,21 @@ def _attention_of(rt) -> str:
     return resolve_attention(rt.task.cfg.model)
 
 
+def measured_peak(device, planned: int, beside=()) -> dict:
+    """The device's measured peak memory once spmd's step has run (the allocator's high-water
+    mark: init, batch, step), less the bytes of `beside` (the plain-JAX copy of the state that
+    --compare holds at the same time), against `spmd plan`'s prediction of the same compiled
+    step. None where the backend keeps no statistics (CPU)."""
+    import jax
+
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    if not peak:
+        return {"measured_peak_bytes": None, "plan_over_measured": None}
+    peak -= sum(x.nbytes for x in jax.tree.leaves(beside))
+    return {"measured_peak_bytes": int(peak), "plan_over_measured": round(planned / peak, 4)}
+
+
 def run_size(name: str, overrides: list[str], device, limit, args, peak) -> dict:
     """Compile, check the fit, time spmd (and plain JAX with --compare) for one size."""
     import time
@@ -169,6 +184,8 @@ def run_size(name: str, overrides: list[str], device, limit, args, peak) -> dict
         box["plain"] = (params, opt_state)
         # Same start, same first loss: the two programs compute the same thing.
         box["spmd"], metrics = compiled(box["spmd"], batch)
+        jax.block_until_ready(box["spmd"])
+        record.update(measured_peak(device, plan.peak_bytes, beside=(params, opt_state)))
         params, opt_state, loss = step(params, opt_state, batch)
         box["plain"] = (params, opt_state)
         a, b = float(metrics["loss"]), float(loss)
@@ -184,6 +201,9 @@ def run_size(name: str, overrides: list[str], device, limit, args, peak) -> dict
             jax.block_until_ready((p, o, box["plain_loss"]))
 
         runners["plain"] = run_plain
+    else:
+        run_spmd()
+        record.update(measured_peak(device, plan.peak_bytes))
     times = interleaved(runners, args.reps, warmup=1)
     per_step = {k: [x / args.steps for x in v] for k, v in times.items()}
     spmd = Stats.of(per_step["spmd"])
