@@ -81,8 +81,11 @@ def part_devices(smoke: bool, out: Path) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
+    import spmd
+
     devices = jax.devices()
     return {"backend": jax.default_backend(), "devices": [str(d) for d in devices],
+            "spmd": str(Path(spmd.__file__).parent),
             "device_kind": devices[0].device_kind, "device_count": len(devices),
             "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "gpu_flags_applied": flags, "env": {k: os.environ.get(k) for k in env}}
@@ -157,13 +160,15 @@ CHILD_PARTS = {"devices": part_devices, "checkpoint": part_checkpoint}
 
 def run_child(argv: list[str], limit_s: float, log: Path, env: dict | None = None
               ) -> tuple[int | None, str]:
-    """Run `argv` (cwd: the repository) for at most `limit_s`; (exit status or None when
-    it ran out of time, its output). The output is also kept in `log`."""
+    """Run `argv` for at most `limit_s`, in the folder of `log` (not the checkout: there
+    `python -m` would import the checkout's spmd/ before an installed one); (exit status or
+    None when it ran out of time, its output). The output is also kept in `log`."""
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    # the checkout last: an installed spmd (gpu_wheels.sh's --target) must come first
     child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), child_env.get("PYTHONPATH", "")) if p)
+        p for p in (child_env.get("PYTHONPATH", ""), str(REPO)) if p)
     try:
-        proc = subprocess.run(argv, cwd=REPO, env=child_env, capture_output=True, text=True,
+        proc = subprocess.run(argv, cwd=log.parent, env=child_env, capture_output=True, text=True,
                               timeout=max(1.0, limit_s))
         code, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
@@ -233,7 +238,8 @@ def main_job_part(smoke: bool, out: Path, limit_s: float) -> dict:
     if smoke:
         keys += ["train.steps=4", "train.eval_every=4", "run.log_every=1",
                  "data.num_train=32", "data.num_test=16", "data.eval_batches=1"]
-    code, text = run_child(spmd_argv("train", "configs/fno_darcy.yaml", *keys), limit_s,
+    code, text = run_child(spmd_argv("train", str(REPO / "configs" / "fno_darcy.yaml"), *keys),
+                           limit_s,
                            out / "main_job.log")
     if code != 0:
         return failed(code, text, limit_s)
@@ -250,14 +256,15 @@ def main_job_part(smoke: bool, out: Path, limit_s: float) -> dict:
 
 
 def features_part(smoke: bool, out: Path, limit_s: float) -> dict:
-    tiny = ["configs/transformer_tiny.yaml", "train.steps=4", "run.plots=false"]
+    config = str(REPO / "configs" / "transformer_tiny.yaml")
+    tiny = [config, "train.steps=4", "run.plots=false"]
     runs = {
         "attention_cudnn": spmd_argv("train", *tiny, f"run.dir={out / 'f_attention'}",
                                      "model.dtype=bfloat16",
                                      f"model.attention={'xla' if smoke else 'cudnn'}"),
         "snapshot_pinned": spmd_argv("train", *tiny, f"run.dir={out / 'f_pinned'}",
                                      "checkpoint.snapshot=pinned", "checkpoint.every=2"),
-        "plan_system": spmd_argv("plan", "configs/transformer_tiny.yaml", "--devices", "4",
+        "plan_system": spmd_argv("plan", config, "--devices", "4",
                                  "--system", PLAN_SYSTEM, "--json"),
     }
     began, figures = time.monotonic(), {}

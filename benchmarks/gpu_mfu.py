@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # spmd without `pip install`
+# the checkout last: an installed spmd comes first (a GPU node's `pip install --target`,
+# benchmarks/gpu_wheels.sh), whose spmd.launch a checkout's spmd/ would hide
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 from common import Stats, json_line, machine, table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

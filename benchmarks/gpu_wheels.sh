@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Wheels for a GPU node whose image has jax 0.11.2, flax, optax, orbax-checkpoint, h5py,
+# xarray, tensorstore, mpi4py and the like, but not the rest of spmd's needs (pydantic,
+# grain, the mpich wheel, zarr, h5netcdf, ...), and cannot reach a package index.
+#
+#   bash benchmarks/gpu_wheels.sh download   # here, with an index: cp312 manylinux wheels
+#                                            # and spmd's own wheel into .whl/ (ignored)
+#   bash benchmarks/gpu_wheels.sh check      # here: resolve them with --no-index against an
+#                                            # environment that has the image's packages
+#   source benchmarks/gpu_wheels.sh install  # on the node: into /tmp/site, PYTHONPATH set
+#
+# With the device tool: carry [".whl"] and begin the command with
+#   source benchmarks/gpu_wheels.sh install && python benchmarks/gpu_check.py --out $OUT
+# Versions are the ones CI tests with; one version of each (two stop the install).
+WHEELS=(
+  pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+  grain==0.2.18 array-record==0.8.6 portpicker==1.6.0
+  zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0
+  h5netcdf==1.8.2 tensorboardX==2.6.5 mpich==5.0.2
+)
+SITE=${SPMD_WHEEL_SITE:-/tmp/site}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+case "${1:-}" in
+download)
+  set -euo pipefail
+  cd "$REPO"
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+  rm -f .whl/spmd_hpc-*.whl
+  python3 -m pip wheel --no-deps -w .whl .    # spmd itself (pure Python)
+  ls .whl
+  ;;
+check)
+  set -euo pipefail
+  cd "$REPO"
+  # every wheel's needs resolve from what is installed (the image) and .whl/ alone
+  python3 -m pip install --dry-run --no-index --find-links .whl "${WHEELS[@]}" spmd-hpc
+  ;;
+install)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$REPO"/.whl/*.whl && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu_wheels.sh download|check, or source it with install" >&2
+  false
+  ;;
+esac
