@@ -226,8 +226,10 @@ def mfu_part(size: str, smoke: bool, out: Path, limit_s: float, name: str,
     r = got["results"][0]
     keys = ("size", "params", "remat", "attention", "fits", "compile_s", "plain_compile_s",
             "mfu", "plain_mfu", "step_s", "plain_step_s", "ratio", "peak_bytes",
-            "measured_peak_bytes", "plan_over_measured", "loss")
+            "measured_peak_bytes", "plan_over_measured", "loss", "tokens_per_s",
+            "model_flops_per_step")
     return {"status": "ok", "figures": {"device_kind": got["device_kind"],
+                                        "xla_flags": got.get("xla_flags"),
                                         **{k: r.get(k) for k in keys}}}
 
 

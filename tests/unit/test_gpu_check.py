@@ -47,6 +47,11 @@ def test_cpu_smoke_runs_every_part_and_writes_the_json_and_the_table(tmp_path):
     assert 0 < figures["main_job"]["test_rel_l2_last"] < 2
     assert figures["main_job"]["samples_per_s_median"] > 0
     assert figures["mfu_1.3b"]["step_s"]["median"] > 0 and figures["mfu_1.3b"]["ratio"]
+    # gpu_mfu.py without --compare (the remat part): its code path on CPU, GPU flags applied
+    remat = figures["remat_2.7b"]
+    assert remat["tokens_per_s"] > 0 and remat["mfu"] is not None
+    assert remat["model_flops_per_step"] > 0 and remat["fits"] and remat["remat"] == "dots"
+    assert any("latency_hiding_scheduler" in f for f in remat["xla_flags"]), remat["xla_flags"]
     modes = figures["checkpoint"]["modes"]
     assert set(modes) == set(gpu_check.CHECKPOINT_MODES)
     for mode in modes.values():
