@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ TARGETS = {"mfu": 0.50, "spmd_over_plain": 1.0, "local_over_orbax_blocking": 1.0
 
 
 def spmd_argv(*args: str) -> list[str]:
-    """The spmd CLI, run from this checkout (no console script needed on the node)."""
+    """The spmd CLI of the importable spmd (no console script needed on the node)."""
     return [sys.executable, "-m", "spmd.cli", *args]
 
 
@@ -91,6 +92,11 @@ def part_devices(smoke: bool, out: Path) -> dict:
             "gpu_flags_applied": flags, "env": {k: os.environ.get(k) for k in env}}
 
 
+def partial_path(out: Path, part: str) -> Path:
+    """Where a child part leaves what it has measured so far (read if it runs out of time)."""
+    return out / f"{part}_partial.json"
+
+
 def part_checkpoint(smoke: bool, out: Path) -> dict:
     """Local-tier async save in each snapshot mode against Orbax's own async save, and a
     restore from the local tier; the 9 GiB state (64 MiB in the smoke run)."""
@@ -98,7 +104,6 @@ def part_checkpoint(smoke: bool, out: Path) -> dict:
 
     sys.path.insert(0, str(HERE))
     import checkpoint_bench as cb
-    import jax
 
     state, nbytes, where = cb.make_state(64 if smoke else 9 * 1024)
     abstract = cb._abstract(state)
@@ -148,8 +153,7 @@ def part_checkpoint(smoke: bool, out: Path) -> dict:
             "local_restore_s": round(restore_s, 3),
             "restored": [restored_step, source]}
         # what is done so far, for a part that runs out of time in a later mode
-        (out / "checkpoint_partial.json").write_text(json.dumps(figures, default=str))
-    jax.clear_caches()
+        partial_path(out, "checkpoint").write_text(json.dumps(figures, default=str))
     return figures
 
 
@@ -159,12 +163,11 @@ CHILD_PARTS = {"devices": part_devices, "checkpoint": part_checkpoint}
 # ------------------------------------------------------------------ running a part
 
 
-def run_child(argv: list[str], limit_s: float, log: Path, env: dict | None = None
-              ) -> tuple[int | None, str]:
+def run_child(argv: list[str], limit_s: float, log: Path) -> tuple[int | None, str]:
     """Run `argv` for at most `limit_s`, in the folder of `log` (not the checkout: there
     `python -m` would import the checkout's spmd/ before an installed one); (exit status or
     None when it ran out of time, its output). The output is also kept in `log`."""
-    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # the checkout last: an installed spmd (gpu_wheels.sh's --target) must come first
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (child_env.get("PYTHONPATH", ""), str(REPO)) if p)
@@ -197,13 +200,13 @@ def tail(text: str, lines: int = 15) -> str:
 
 def child_part(name: str, smoke: bool, out: Path, limit_s: float) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(out)]
-    (out / f"{name}_partial.json").unlink(missing_ok=True)
+    partial = partial_path(out, name)
+    partial.unlink(missing_ok=True)
     code, text = run_child(argv + (["--cpu-smoke"] if smoke else []), limit_s,
                            out / f"{name}.log")
     got = last_json(text)
     if code == 0 and got is not None:
         return {"status": "ok", "figures": got}
-    partial = out / f"{name}_partial.json"
     return {**failed(code, text, limit_s),
             **({"figures": json.loads(partial.read_text())} if partial.is_file() else {})}
 
@@ -234,6 +237,8 @@ def mfu_part(size: str, smoke: bool, out: Path, limit_s: float, name: str,
 
 
 def main_job_part(smoke: bool, out: Path, limit_s: float) -> dict:
+    from spmd.rundir.metrics import read_jsonl  # no JAX: this process holds no GPU memory
+
     run_dir = out / "main_job"
     keys = [f"run.dir={run_dir}", f"data.path={run_dir / 'darcy_g64.h5'}",
             "checkpoint.every=0", "checkpoint.persistent_every=0", "checkpoint.final=false",
@@ -242,18 +247,16 @@ def main_job_part(smoke: bool, out: Path, limit_s: float) -> dict:
         keys += ["train.steps=4", "train.eval_every=4", "run.log_every=1",
                  "data.num_train=32", "data.num_test=16", "data.eval_batches=1"]
     code, text = run_child(spmd_argv("train", str(REPO / "configs" / "fno_darcy.yaml"), *keys),
-                           limit_s,
-                           out / "main_job.log")
+                           limit_s, out / "main_job.log")
     if code != 0:
         return failed(code, text, limit_s)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
-    train = [r["samples_per_s"] for r in records if "samples_per_s" in r][1:] or [None]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    # the first logged step holds the compile
+    rates = [r["samples_per_s"] for r in records if "samples_per_s" in r][1:]
     evals = [r for r in records if "test_rel_l2" in r]
-    train = sorted(x for x in train if x is not None) or [None]
     return {"status": "ok", "figures": {
         "steps": max(r.get("step", 0) for r in records),
-        "samples_per_s_median": train[len(train) // 2],
+        "samples_per_s_median": statistics.median(rates) if rates else None,
         "test_rel_l2_first": evals[0]["test_rel_l2"] if evals else None,
         "test_rel_l2_last": evals[-1]["test_rel_l2"] if evals else None}}
 

@@ -203,10 +203,9 @@ def run_size(name: str, overrides: list[str], device, limit, args, peak) -> dict
             jax.block_until_ready((p, o, box["plain_loss"]))
 
         runners["plain"] = run_plain
-    else:
-        run_spmd()
-        record.update(measured_peak(device, plan.peak_bytes))
     times = interleaved(runners, args.reps, warmup=1)
+    if not args.compare:     # spmd's alone ran: the high-water mark is its own
+        record.update(measured_peak(device, plan.peak_bytes))
     per_step = {k: [x / args.steps for x in v] for k, v in times.items()}
     spmd = Stats.of(per_step["spmd"])
     tokens = cfg.train.batch_size * m.seq_len
