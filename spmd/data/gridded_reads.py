@@ -140,14 +140,12 @@ class GriddedReader:
                 return self._h5_nodes[(k, name)]
             handle = self._h5.get(k)
             if handle is None:
-                import h5py
+                from spmd.data.field_files import open_h5  # h5py: imported when read
 
                 try:
-                    handle = h5py.File(f.path, "r")
-                except OSError as e:   # file systems without flock
-                    if "lock" not in str(e).lower():
-                        return None
-                    handle = h5py.File(f.path, "r", locking=False)
+                    handle = open_h5(f.path)   # without file locking where flock is refused
+                except OSError:
+                    return None                # the store's reader opens it, or names it
                 self._h5[k] = handle
             node = handle.get(name)
             node = node if node is not None and hasattr(node, "shape") else None
