@@ -27,8 +27,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
+from spmd.comm.host_gather import gather_to_host
 from spmd.data.arrays import ArrayDataError, ArraySource
 from spmd.data.feed import BatchFeed
 from spmd.engine.mesh import in_mesh, mesh_context
@@ -129,7 +129,7 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
             inputs = feed.global_batch(source, b)
             for k in range(rollout):
                 pred = step(trained.params, inputs)
-                host = multihost_utils.process_allgather(pred, tiled=True)
+                host = gather_to_host(pred)
                 writer.write(b * batch, k if rollout > 1 else None, np.asarray(host)[:rows])
                 if k + 1 < rollout:
                     inputs = {name: pred.astype(field.dtype)}

@@ -167,10 +167,10 @@ def main(argv: list[str]) -> int:
                     heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s)
     import jax
     import numpy as np
-    from jax.experimental import multihost_utils
 
     from spmd.checkpoint import create_checkpointer
     from spmd.checkpoint.layout import leaf_paths
+    from spmd.comm.host_gather import gather_to_host
     from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
@@ -193,8 +193,8 @@ def main(argv: list[str]) -> int:
         leaves = jax.tree.leaves(restored.state)
         arrays = {}
         for path, x in zip(leaf_paths(restored.state), leaves):
-            arrays[path] = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        sources = multihost_utils.process_allgather(
+            arrays[path] = np.asarray(gather_to_host(x))
+        sources = gather_to_host(
             np.array([{"local": 0, "partner": 1, "persistent": 2}[restored.source]]))
         if env.rank == 0:
             np.savez(out_path, **arrays)

@@ -26,8 +26,8 @@ def main(single: Path, h5: Path, zarr: Path, out: Path) -> None:
 
     env = bootstrap()
     import jax
-    from jax.experimental import multihost_utils
 
+    from spmd.comm.host_gather import gather_to_host
     from spmd.config.schema import MeshConfig
     from spmd.data import ArraySource, BatchField, stores
     from spmd.data.feed import BatchFeed
@@ -49,7 +49,7 @@ def main(single: Path, h5: Path, zarr: Path, out: Path) -> None:
             equal = []
             for step in STEPS:
                 batch = feed.global_batch(src, step)
-                got = multihost_utils.process_allgather(batch["f"], tiled=True)
+                got = gather_to_host(batch["f"])
                 equal.append(bool(np.array_equal(got, want[step])))
             feed.close()
             rows = feed.ranges["f"]

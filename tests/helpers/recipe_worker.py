@@ -36,8 +36,8 @@ def main(argv: list[str]) -> int:
     env = bootstrap()
     import jax
     import numpy as np
-    from jax.experimental import multihost_utils
 
+    from spmd.comm.host_gather import gather_to_host
     from spmd.config.load import build_task, load_config
     from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         for step in range(STEPS):
             state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))
             losses.append(float(metrics["loss"]))
-        params = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        params = [np.asarray(gather_to_host(x))
                   for x in jax.tree.leaves(state.params)]
         return rt, np.array(losses), params
 
