@@ -99,15 +99,18 @@ def written_pieces(leaf: Any) -> tuple[tuple[int, ...], list[Piece]]:
                  if s.replica_id == 0])
 
 
-def predicted_chunk_shape(leaf: Any, write_shape: tuple[int, ...]) -> tuple[int, ...]:
+def predicted_chunk_shape(leaf: Any, write_shape: tuple[int, ...],
+                          file_bytes: int | None = None) -> tuple[int, ...]:
     """The chunk shape Orbax will choose for `leaf` written in regions of `write_shape`:
-    that shape, cut where it exceeds the OCDBT target file size (Orbax's functions)."""
+    that shape, cut where it exceeds the OCDBT target file size (`file_bytes`, the one the
+    save asks for; None: Orbax's default), with Orbax's own functions."""
     try:
         from orbax.checkpoint._src.arrays import subchunking
         from orbax.checkpoint._src.serialization import tensorstore_utils as tu
 
         dtype = np.dtype(leaf.dtype)
-        limit = tu.calculate_chunk_byte_size(write_shape, dtype, chunk_byte_size=None)
+        limit = tu.calculate_chunk_byte_size(write_shape, dtype, chunk_byte_size=None,
+                                             ocdbt_target_data_file_size=file_bytes)
         return tuple(subchunking.choose_chunk_shape(tuple(np.shape(leaf)), write_shape, dtype,
                                                     limit))
     except Exception:   # another Orbax: `result` corrects it if wrong
@@ -163,7 +166,9 @@ class ChunkSums:
     """The chunk checksums of one save, computed on a thread from `start` (called right
     after Orbax's blocking save returned, while its write runs) until `result`."""
 
-    def __init__(self, items: Mapping[str, Any]):
+    def __init__(self, items: Mapping[str, Any], file_bytes: int | None = None):
+        """`file_bytes`: the OCDBT target data-file size the save asks Orbax for (it also
+        caps the chunks' bytes)."""
         import jax
 
         try:
@@ -181,7 +186,8 @@ class ChunkSums:
                     leaf = jax.random.key_data(leaf)   # what Orbax writes of a typed key
                 write_shape, pieces = written_pieces(leaf)
                 self._leaves[item].append(
-                    (names_of(path), pieces, predicted_chunk_shape(leaf, write_shape)))
+                    (names_of(path), pieces,
+                     predicted_chunk_shape(leaf, write_shape, file_bytes)))
         self._sums: dict[str, dict[str, dict[str, str]]] = {}
         self._errors: dict[tuple[str, str], Exception] = {}
         self._thread = threading.Thread(target=self._run, name="spmd-ckpt-chunk-crc",

@@ -177,7 +177,8 @@ class HierarchicalCheckpointer:
                                           ck.persistent_every, ck.keep, ck.timeout_s,
                                           ck.async_, CheckpointCoordinator(
                                               self.rank, self.size, ck.timeout_s, "persistent"),
-                                          compress=ck.compress)
+                                          compress=ck.compress,
+                                          file_mb=ck.persistent_file_mb)
                            if self.policy.uses_persistent else None)
         self._main = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "main")
         self._local_coord = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "local")

@@ -16,7 +16,8 @@ steps carry TensorStore's crc32c codec in each chunk instead. After Orbax has fi
 step every process fsyncs the files it wrote (`ocdbt.process_<i>/`,
 `array_metadatas/process_<i>`; rank 0 the rest), once each, and lists them: a data file
 (`ocdbt.process_<i>/d/`, at least `SMALL_FILE` bytes) is recorded with its size and
-`"check": "chunks"`, never read back; the small files (Orbax's JSON metadata, OCDBT
+`"check": "chunks"`, never read back (about eight per process and step, written at once:
+spmd.checkpoint.data_files); the small files (Orbax's JSON metadata, OCDBT
 manifests and b-tree nodes: kilobytes) get a crc32c of their bytes. Rank 0 gathers the lists
 and the chunks' crc32c and writes `<step>/spmd_manifest.json` (format `spmd-persistent/3`).
 A step counts as committed only when that manifest exists: a step Orbax finalized but we
@@ -49,6 +50,7 @@ from typing import Any
 
 from spmd.checkpoint.chunk_sums import ChunkSums
 from spmd.checkpoint.chunks import install_chunk_checksums
+from spmd.checkpoint.data_files import bytes_written_here, target_file_bytes
 from spmd.checkpoint.files import fsync_dir, remove_tree
 from spmd.checkpoint.finite import count_nonfinite, marked_finite
 from spmd.checkpoint.interface import CheckpointError
@@ -158,12 +160,13 @@ class PersistentTier:
     """
 
     def __init__(self, root: Path, rank: int, size: int, every: int, keep: int,
-                 timeout_s: float, use_async: bool, coord: Coordinator, compress: bool = False):
+                 timeout_s: float, use_async: bool, coord: Coordinator, compress: bool = False,
+                 file_mb: int | None = None):
         import orbax.checkpoint as ocp
 
         self.root, self.rank, self.size, self.coord = root, rank, size, coord
         self.keep = keep
-        self._ocp, self.compress = ocp, compress
+        self._ocp, self.compress, self.file_mb = ocp, compress, file_mb
         if size > 1:
             use_kv_store_barriers()
         # Zarr v3, every chunk's crc32c known without reading the files back: computed from
@@ -254,12 +257,19 @@ class PersistentTier:
         if step in self.manager.all_steps():
             self.delete(step)  # unverified leftover of an earlier incarnation
         args = self._ocp.args
-        save = args.StandardSave if self._standard else args.PyTreeSave
         trees = split_state(state)
         self._sums.pop(step, None)
-        sums = None if self.compress else ChunkSums(trees)
-        self.manager.save(step, args=args.Composite(
-            **{name: save(tree) for name, tree in trees.items()}), force=True)
+        # several data files, written at once (spmd.checkpoint.data_files); Orbax also cuts
+        # a shard larger than that size into chunks of at most that size
+        size = None if self._standard else target_file_bytes(bytes_written_here(trees),
+                                                              self.file_mb)
+        sums = None if self.compress else ChunkSums(trees, size)
+        if self._standard:
+            items = {name: args.StandardSave(tree) for name, tree in trees.items()}
+        else:
+            items = {name: args.PyTreeSave(tree, ocdbt_target_data_file_size=size)
+                     for name, tree in trees.items()}
+        self.manager.save(step, args=args.Composite(**items), force=True)
         if sums is not None:   # the crc32c of the chunks, while Orbax writes them
             self._sums[step] = sums.start()
 
@@ -486,10 +496,14 @@ class PersistentTier:
         """Collective: every rank calls it."""
         self.manager.delete(step)
 
+    def wait_removals(self) -> None:
+        """Return once the dropped steps being removed in the background are gone."""
+        while self._removers:
+            self._removers.pop().join()
+
     def close(self) -> None:
         self.manager.close()
-        for worker in self._removers:
-            worker.join()
+        self.wait_removals()
 
 
 def restore_args(target: Any, partial: bool = False) -> Any:

@@ -45,6 +45,11 @@ class CheckpointConfig(BaseModel):
         600.0, gt=0, description="The bound on every checkpoint wait, in seconds.")
     compress: bool = Field(
         False, description="zstd in the persistent tier (Orbax's default: on).")
+    persistent_file_mb: int | None = Field(
+        None, ge=1, description="Target size of the persistent tier's data files (OCDBT), in "
+        "MiB. null: what this process writes of a step over 8, between 16 and 2048 MiB, so "
+        "that several files are written and fsynced at once. On a parallel file system where "
+        "many files cost more than large ones, raise it.")
     snapshot: Literal["auto", "alias", "host", "pinned", "device"] = Field(
         "auto", description="What a save blocks for: auto | alias (CPU: zero-copy views, as "
         "Orbax) | host (D2H into reused host buffers) | pinned (D2H into pinned host memory) | "

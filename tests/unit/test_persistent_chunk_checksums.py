@@ -279,7 +279,7 @@ def test_chunks_predicted_wrong_are_summed_again_after_the_write(saved, tmp_path
     from spmd.checkpoint import chunk_sums
 
     monkeypatch.setattr(chunk_sums, "predicted_chunk_shape",
-                        lambda leaf, _: tuple(leaf.addressable_shards[0].data.shape))
+                        lambda leaf, *_: tuple(leaf.addressable_shards[0].data.shape))
     run_dir = tmp_path / "run"
     ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
     ck.maybe_save(4, _state(4))
@@ -290,16 +290,20 @@ def test_chunks_predicted_wrong_are_summed_again_after_the_write(saved, tmp_path
 
 
 def test_shards_orbax_cuts_into_several_chunks_are_summed_per_chunk(saved, tmp_path,
-                                                                      monkeypatch):
-    """A shard above Orbax's OCDBT target file size (2 GiB; 16 KiB here) is written as
-    several chunks: each gets its crc32c, and the step verifies and restores bit for bit."""
-    from orbax.checkpoint._src.serialization import tensorstore_utils as tu
+                                                                      monkeypatch, caplog):
+    """A shard above the OCDBT target file size the save asks for (spmd.checkpoint.
+    data_files; 16 KiB here) is written by Orbax as several chunks: each gets its crc32c,
+    predicted right while Orbax writes (none summed again), and the step verifies and
+    restores bit for bit."""
+    from spmd.checkpoint import persistent
 
-    monkeypatch.setattr(tu, "_DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE", 16 << 10)
+    monkeypatch.setattr(persistent, "target_file_bytes", lambda written, mb=None: 16 << 10)
     run_dir = tmp_path / "run"
     ck = one_process_checkpointer(_cfg(run_dir), RecordedEvents())
-    ck.maybe_save(4, saved[1][4])
-    ck.close()
+    with caplog.at_level("INFO", logger="spmd.checkpoint"):
+        ck.maybe_save(4, saved[1][4])
+        ck.close()
+    assert not [r for r in caplog.records if "summed again" in r.getMessage()], caplog.text
     step_dir = run_dir / "checkpoints" / "4"
     manifest = read_manifest(step_dir)
     sums = manifest["chunks"]["params"]

@@ -1,0 +1,44 @@
+"""How large the persistent tier's data files are: several per save, written at once.
+
+Orbax hands TensorStore's OCDBT driver a target data-file size (`ocdbt_target_data_file_size`);
+left unset, a process's share of a 256 MiB state went into two files (64 and 192 MiB),
+written and fsynced one after the other. Split into about `FILES_PER_SAVE` files, the same
+bytes are written and fsynced in parallel: on this project's test VM the same Orbax save
+took 0.17-0.19 s instead of 0.21-0.25 s (medians of 12 interleaved pairs at 16, 32 and 64
+MiB; docs/checkpointing.md), and its slowest repetitions halved. The size is bounded below
+(`MIN_FILE_BYTES`: no swarm of tiny files for a small model) and above (`MAX_FILE_BYTES`,
+MaxText's default of 2 GiB: a large state still makes files a parallel file system handles
+well); `checkpoint.persistent_file_mb` sets it outright.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+FILES_PER_SAVE = 8
+MIN_FILE_BYTES = 16 << 20
+MAX_FILE_BYTES = 2 << 30
+
+
+def bytes_written_here(tree: Any) -> int:
+    """The bytes of `tree` this process writes: its replica-0 shards (host arrays: process
+    0's), as Orbax writes each replica once."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.replica_id == 0)
+        elif jax.process_index() == 0:
+            total += np.asarray(leaf).nbytes
+    return total
+
+
+def target_file_bytes(written_bytes: int, configured_mb: int | None = None) -> int:
+    """The data-file size to ask OCDBT for: `configured_mb` MiB when set, else the bytes this
+    process writes over FILES_PER_SAVE, within [MIN_FILE_BYTES, MAX_FILE_BYTES]."""
+    if configured_mb is not None:
+        return int(configured_mb) << 20
+    return min(max(written_bytes // FILES_PER_SAVE, MIN_FILE_BYTES), MAX_FILE_BYTES)
