@@ -24,10 +24,11 @@
    `--model 760m` (any size of benchmarks/gpu_mfu.py's ladder) trains the real transformer.
 
 Repetitions are interleaved (async, sync, persistent, Orbax, raw, then again), a warm-up round
-is not counted, and medians with min-max spread are reported. The two writes compared in 3
-(the persistent tier's, Orbax's own) take turns going first from one repetition to the next,
-as the two restores of a pair do in 4, so that neither always pays for what came before it
-(the previous repetition's reads, memory freed). One process; on CPU the "device" is host
+is not counted, and medians with min-max spread are reported. The three writes compared in 3
+(the persistent tier's, Orbax's own, the raw write) rotate from one repetition to the next,
+each first, second and third in turn, as the two restores of a pair alternate in 4, so that
+none always pays for what came before it (the previous repetition's reads, memory freed,
+the disk's writeback). One process; on CPU the "device" is host
 memory, so the D2H copy is a memcpy.
 
     python benchmarks/checkpoint_bench.py [--mb 256 | --gb 9] [--reps 5] [--restore-pairs 3]
@@ -61,6 +62,9 @@ TRAIN_TARGET = 0.95         # steps/s with checkpoints / steps/s without
 THROUGHPUT_TARGET = 0.7     # persistent-tier bytes/s / raw write+fsync bytes/s
 ORBAX_WRITE_TARGET = 1.0    # persistent-tier bytes/s / Orbax's own write bytes/s
 RESTORE_TARGET = 1.0        # spmd persistent restore bytes/s / Orbax restore bytes/s
+# the order of the three compared writes, repetition by repetition (each first once in three)
+WRITE_ORDERS = (("persistent", "orbax", "raw"), ("orbax", "raw", "persistent"),
+                ("raw", "persistent", "orbax"))
 
 
 def make_state(total_mb: int):
@@ -286,7 +290,7 @@ def run(args: argparse.Namespace, base: Path) -> int:
         "raw_read_s")}
     phases: dict[str, list[float]] = {}
     restore_phases: dict[str, list[float]] = {}   # spmd's restore, from restore_timing
-    step = 0
+    step, pers_bytes = 0, 0
     for rep in range(args.reps + 1):     # round 0 warms up (compiles, Orbax start-up)
         step += 1
         os.sync()   # every timed phase starts with no dirty pages of the previous one
@@ -308,16 +312,25 @@ def run(args: argparse.Namespace, base: Path) -> int:
         t2 = time.perf_counter()
         ck_sync.maybe_save(step, state)
         t3 = time.perf_counter()
-        # the two writes compared (the persistent tier's, Orbax's own) take turns going first
-        orbax_first = rep % 2 == 1
-        if orbax_first:
-            orbax_write_s = timed_orbax_write(orbax_write, step, state)
-        os.sync()
-        t3 = time.perf_counter()
-        ck_pers.maybe_save(step, state)
-        t4 = time.perf_counter()
-        ck_pers.wait()
-        t5 = time.perf_counter()
+        # the three writes compared (the persistent tier's, Orbax's own, the raw write of the
+        # state's bytes) rotate: each goes first, second and third in turn, after an os.sync()
+        order = WRITE_ORDERS[rep % len(WRITE_ORDERS)]
+        for which in order:
+            os.sync()
+            if which == "orbax":
+                orbax_write_s = timed_orbax_write(orbax_write, step, state)
+            elif which == "raw":
+                # the bytes the tier wrote (its previous step's when the raw write goes first)
+                raw = raw_write(base / "raw.bin", pers_bytes or nbytes, block)
+            else:
+                p0 = time.perf_counter()
+                ck_pers.maybe_save(step, state)
+                p1 = time.perf_counter()
+                ck_pers.wait()
+                p2 = time.perf_counter()
+                # the step it dropped is removed in the background (in training, while the
+                # next steps run): gone before the next write is timed, as Orbax's own is
+                ck_pers.persistent.wait_removals()
         pers_bytes = sum(p.stat().st_size for p in (base / "pers" / "checkpoints" / str(step))
                          .rglob("*") if p.is_file())
         os.sync()
@@ -332,10 +345,6 @@ def run(args: argparse.Namespace, base: Path) -> int:
         orbax.wait()
         orbax_total = time.perf_counter() - t6
         del fresh
-        if not orbax_first:
-            orbax_write_s = timed_orbax_write(orbax_write, step, state)
-        os.sync()
-        raw = raw_write(base / "raw.bin", pers_bytes, block)
         # restores, cold: spmd's whole restore of the persistent step, Orbax's own, raw read;
         # --restore-pairs of them, which one goes first alternating from pair to pair
         restores = []
@@ -360,7 +369,7 @@ def run(args: argparse.Namespace, base: Path) -> int:
                     "chunk_crc_s"):   # chunk_crc_s: the chunks' crc32c, during orbax_wait_s
             phases.setdefault(key, []).append(saved[-1].get(key, 0.0))
         phases.setdefault("other_s", []).append(
-            (t5 - t3) - sum(saved[-1].get(k, 0.0) for k in (
+            (p2 - p0) - sum(saved[-1].get(k, 0.0) for k in (
                 "orbax_start_s", "orbax_wait_s", "checksum_fsync_s", "commit_s", "drop_s")))
         for pers_restore, timing, orbax_restore, read in restores:
             for key in ("plan_s", "check_s", "orbax_s"):
@@ -378,8 +387,8 @@ def run(args: argparse.Namespace, base: Path) -> int:
         results["orbax_next_step_s"].append(orbax_next)
         results["plain_step_s"].append(plain_step)
         for k, v in (("async_blocking_s", t1 - t0), ("async_total_s", t2 - t0),
-                     ("sync_blocking_s", t3 - t2), ("persistent_blocking_s", t4 - t3),
-                     ("persistent_total_s", t5 - t3), ("persistent_bytes", pers_bytes),
+                     ("sync_blocking_s", t3 - t2), ("persistent_blocking_s", p1 - p0),
+                     ("persistent_total_s", p2 - p0), ("persistent_bytes", pers_bytes),
                      ("raw_s", raw)):
             results[k].append(v)
     for ck in (ck_async, ck_sync, ck_pers):
