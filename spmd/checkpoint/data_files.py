@@ -22,23 +22,24 @@ MIN_FILE_BYTES = 16 << 20
 MAX_FILE_BYTES = 2 << 30
 
 
-def bytes_written_here(tree: Any) -> int:
-    """The bytes of `tree` this process writes: its replica-0 shards (host arrays: process
-    0's), as Orbax writes each replica once."""
+def share_of_state(tree: Any) -> int:
+    """The bytes of `tree` per process: its arrays' whole sizes (each replica counted once)
+    over the process count. The same number on every process, with no communication: the
+    target size must be the same everywhere, since Orbax also derives each array's chunk
+    shape from it, and every process must write an array in the same chunks."""
     import jax
 
     total = 0
     for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.replica_id == 0)
-        elif jax.process_index() == 0:
-            total += np.asarray(leaf).nbytes
-    return total
+        nbytes = getattr(leaf, "nbytes", None)   # a global array's: its whole size
+        total += int(nbytes if nbytes is not None else np.asarray(leaf).nbytes)
+    return total // jax.process_count()
 
 
-def target_file_bytes(written_bytes: int, configured_mb: int | None = None) -> int:
-    """The data-file size to ask OCDBT for: `configured_mb` MiB when set, else the bytes this
-    process writes over FILES_PER_SAVE, within [MIN_FILE_BYTES, MAX_FILE_BYTES]."""
+def target_file_bytes(share_bytes: int, configured_mb: int | None = None) -> int:
+    """The data-file size to ask OCDBT for: `configured_mb` MiB when set, else a process's
+    share of the state (`share_of_state`) over FILES_PER_SAVE, within [MIN_FILE_BYTES,
+    MAX_FILE_BYTES]."""
     if configured_mb is not None:
         return int(configured_mb) << 20
-    return min(max(written_bytes // FILES_PER_SAVE, MIN_FILE_BYTES), MAX_FILE_BYTES)
+    return min(max(share_bytes // FILES_PER_SAVE, MIN_FILE_BYTES), MAX_FILE_BYTES)

@@ -50,7 +50,7 @@ from typing import Any
 
 from spmd.checkpoint.chunk_sums import ChunkSums
 from spmd.checkpoint.chunks import install_chunk_checksums
-from spmd.checkpoint.data_files import bytes_written_here, target_file_bytes
+from spmd.checkpoint.data_files import share_of_state, target_file_bytes
 from spmd.checkpoint.files import fsync_dir, remove_tree
 from spmd.checkpoint.finite import count_nonfinite, marked_finite
 from spmd.checkpoint.interface import CheckpointError
@@ -260,8 +260,9 @@ class PersistentTier:
         trees = split_state(state)
         self._sums.pop(step, None)
         # several data files, written at once (spmd.checkpoint.data_files); Orbax also cuts
-        # a shard larger than that size into chunks of at most that size
-        size = None if self._standard else target_file_bytes(bytes_written_here(trees),
+        # a shard larger than that size into chunks of at most that size: the same size on
+        # every process
+        size = None if self._standard else target_file_bytes(share_of_state(trees),
                                                               self.file_mb)
         sums = None if self.compress else ChunkSums(trees, size)
         if self._standard:

@@ -15,7 +15,7 @@ from spmd.checkpoint.chunks import item_values
 from spmd.checkpoint.data_files import (
     MAX_FILE_BYTES,
     MIN_FILE_BYTES,
-    bytes_written_here,
+    share_of_state,
     target_file_bytes,
 )
 from spmd.checkpoint.persistent import SMALL_FILE, read_manifest, verify_files
@@ -25,8 +25,8 @@ from tests.helpers.stand_ins import RecordedEvents, one_process_checkpointer
 MiB = 1 << 20
 
 
-def test_the_automatic_size_is_an_eighth_of_what_this_process_writes_within_bounds():
-    assert target_file_bytes(256 * MiB) == 32 * MiB
+def test_the_automatic_size_is_an_eighth_of_a_process_share_within_bounds():
+    assert target_file_bytes(256 * MiB) == 32 * MiB                     # a share of 256 MiB
     assert target_file_bytes(4 * MiB) == MIN_FILE_BYTES == 16 * MiB    # no swarm of tiny files
     assert target_file_bytes(1 << 40) == MAX_FILE_BYTES == 2048 * MiB  # a large state
     assert target_file_bytes(256 * MiB, configured_mb=5) == 5 * MiB    # the key sets it outright
@@ -45,11 +45,13 @@ def _state(rows: int, host: bool = False) -> dict:
                           if host else {})}}
 
 
-def test_bytes_written_here_counts_each_replica_once():
-    state = _state(64, host=True)   # a host array: Orbax writes it from process 0
+def test_a_process_share_counts_each_array_once_whatever_its_replicas():
+    """The same on every process (no communication): the arrays' whole sizes over the
+    process count (one process here), replicated or sharded, host arrays too."""
+    state = _state(64, host=True)
     w, v, host = (state["params"][k] for k in ("w", "v", "host"))
     assert len(v.addressable_shards) == 8 and v.nbytes == 64 * 256 * 4  # 4 replicas of 2 halves
-    assert bytes_written_here(state) == 4 + w.nbytes + v.nbytes + host.nbytes
+    assert share_of_state(state) == 4 + w.nbytes + v.nbytes + host.nbytes
 
 
 def _save(run_dir: Path, state: dict, **ck) -> Path:
