@@ -48,8 +48,8 @@ class CheckpointConfig(BaseModel):
     persistent_file_mb: int | None = Field(
         None, ge=1, description="Target size of the persistent tier's data files (OCDBT), in "
         "MiB. null: a process's share of the state (its size over the process count) over 8, "
-        "between 16 and 2048 MiB, so that several files are written and fsynced at once. On a parallel file system where "
-        "many files cost more than large ones, raise it.")
+        "between 16 and 2048 MiB, so that several files are written and fsynced at once. On "
+        "a parallel file system where many files cost more than large ones, raise it.")
     snapshot: Literal["auto", "alias", "host", "pinned", "device"] = Field(
         "auto", description="What a save blocks for: auto | alias (CPU: zero-copy views, as "
         "Orbax) | host (D2H into reused host buffers) | pinned (D2H into pinned host memory) | "

@@ -1,6 +1,7 @@
 """Every rank gets whole arrays as numpy, and no part of the gather is left running.
 
 `gather_to_host` is `jax.experimental.multihost_utils.process_allgather(tree, tiled=True)`
+(and `sync_devices` its `sync_global_devices`)
 with one difference that matters at the end of a job. JAX's version replicates the array
 with a device collective and reads local device 0's copy; the collective on the other local
 devices may still be running when it returns, and nothing waits for it. If a rank then
@@ -12,6 +13,7 @@ device's part is done, so a rank that returns has nothing left in flight.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import jax
@@ -54,3 +56,14 @@ def gather_to_host(tree: Any) -> Any:
     host array concatenated along axis 0 in rank order (a 0-d one stacked). A collective:
     every rank calls it with the same tree."""
     return jax.tree.map(_gather_one, tree)
+
+
+def sync_devices(name: str) -> None:
+    """A barrier of every device of every rank (`multihost_utils.sync_global_devices`: a
+    device collective, which also sets up the collectives' connections), that returns only
+    once this rank's part is done. Every rank calls it with the same `name`."""
+    mine = np.uint32(zlib.crc32(name.encode()))
+    every = gather_to_host(mine)
+    if not (every == mine).all():
+        raise RuntimeError(f"sync_devices({name!r}): the ranks passed different names "
+                           f"(crc32 per rank: {every.tolist()})")

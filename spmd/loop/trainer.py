@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 import jax
 import psutil
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from spmd.checkpoint import Checkpointer, create_checkpointer
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog, publish_host
+from spmd.comm.host_gather import sync_devices
 from spmd.comm.job_failure import FailureWatch, announce
 from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
@@ -204,7 +204,7 @@ class Trainer:
         prepare_on_rank0(env, task.prepare, self.cfg.launch.prepare_timeout_s)
         self._phase("the model's set-up")
         if env.size > 1:
-            multihost_utils.sync_global_devices("spmd:task-prepared")
+            sync_devices("spmd:task-prepared")   # no part left running if the run ends here
         phase_done("data", time.perf_counter() - began, "prepared (Task.prepare)")
         began = time.perf_counter()
         rt = build_runtime(EngineSections.of(self.cfg), checked.mesh, task, checked.rules)

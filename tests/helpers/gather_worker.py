@@ -5,7 +5,8 @@
 Each rank (4 CPU devices) gathers a global array sharded over both ranks, its own host
 arrays (2-d, 1-d, 0-d) and a tree of them, under an explicit-axes mesh set as a prediction
 sets it, first with JAX's `process_allgather(tiled=True)`, then with `gather_to_host`. The
-last gathers use a device pattern no earlier one used (new Gloo cliques, the slow path).
+last gathers use a device pattern no earlier one used (new Gloo cliques, the slow path), and
+`sync_devices`, the trainer's barrier, comes last.
 OUT_DIR/rank<R>.json records the values; the ranks then shut down as `spmd` does and rank 0
 writes OUT_DIR/ended0 (its time) just before the interpreter exits.
 """
@@ -29,7 +30,7 @@ def main(out: Path) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-    from spmd.comm.host_gather import gather_to_host
+    from spmd.comm.host_gather import gather_to_host, sync_devices
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"),
                 axis_types=(AxisType.Explicit,) * 2)
@@ -44,7 +45,13 @@ def main(out: Path) -> None:
         theirs = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in tree.items()}
         ours = gather_to_host(tree)
     last = gather_to_host(np.array([env.rank], np.int32))   # a (processes, local) pattern
-    record = {"whole": whole.tolist(), "last": last.tolist(),
+    try:
+        sync_devices(f"rank {env.rank}'s own name")   # the ranks disagree: every rank raises
+        mismatch = None
+    except RuntimeError as e:
+        mismatch = str(e)
+    sync_devices("spmd:gather-test")   # the trainer's barrier, last before the shutdown
+    record = {"whole": whole.tolist(), "last": last.tolist(), "mismatch": mismatch,
               "theirs": {k: [np.asarray(v).tolist(), str(np.asarray(v).dtype)]
                          for k, v in theirs.items()},
               "ours": {k: [v.tolist(), str(v.dtype), type(v).__name__] for k, v in ours.items()}}

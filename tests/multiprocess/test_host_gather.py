@@ -17,6 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_gather_to_host_matches_process_allgather_and_the_job_ends_at_once(tmp_path):
+    """Values and dtypes as JAX's own gather gives them; sync_devices, the trainer's barrier,
+    raises on every rank when the ranks pass different names; and the job ends at once."""
     r = subprocess.run([*_mpi(2), sys.executable,
                         str(REPO / "tests" / "helpers" / "gather_worker.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -34,6 +36,7 @@ def test_gather_to_host_matches_process_allgather_and_the_job_ends_at_once(tmp_p
             assert kind == "ndarray"
             assert [value, dtype] == got["theirs"][name], name    # JAX's own values and dtype
         assert got["last"] == [0, 1]
+        assert got["mismatch"] is not None and "different names" in got["mismatch"]
     # rank 0's last act to the launcher's end: no part of a gather was left for the
     # interpreter's exit to wait out (it took ~150 s when one was, under load)
     assert ended - float((tmp_path / "ended0").read_text()) < 20
