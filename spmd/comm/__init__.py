@@ -10,8 +10,9 @@ Owns every conversation among ranks above the bootstrap:
   callable from any thread (the checkpoint's decisions);
 - `prepare_wait`: `prepare_on_rank0`, rank 0's one-time data preparation before any
   collective, the other ranks waiting for it (launch.prepare_timeout_s) and saying so;
-- `host_gather`: `gather_to_host`, whole arrays on every rank's host as numpy (JAX's
-  `process_allgather`, returning only once no part of the gather is left running);
+- `host_gather`: `gather_to_host`, whole arrays on every rank's host as numpy, and
+  `sync_devices`, a barrier of every device (JAX's `process_allgather` and
+  `sync_global_devices`, returning only once no part of them is left running);
 - `errors`: `AgreementError`, `AgreementTimeout`.
 Every wait is bounded, and its error names the rank, the host and the config key of the
 timeout. May import `spmd.launch` (MPI, the LaunchEnv, the preemption watcher) and
