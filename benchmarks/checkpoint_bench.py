@@ -313,7 +313,7 @@ def run(args: argparse.Namespace, base: Path) -> int:
         ck_sync.maybe_save(step, state)
         t3 = time.perf_counter()
         # the three writes compared (the persistent tier's, Orbax's own, the raw write of the
-        # state's bytes) rotate: each goes first, second and third in turn, after an os.sync()
+        # tier's bytes) rotate: each goes first, second and third in turn, after an os.sync()
         order = WRITE_ORDERS[rep % len(WRITE_ORDERS)]
         for which in order:
             os.sync()

@@ -259,17 +259,15 @@ class PersistentTier:
         args = self._ocp.args
         trees = split_state(state)
         self._sums.pop(step, None)
-        # several data files, written at once (spmd.checkpoint.data_files); Orbax also cuts
-        # a shard larger than that size into chunks of at most that size: the same size on
-        # every process
-        size = None if self._standard else target_file_bytes(share_of_state(trees),
-                                                              self.file_mb)
-        sums = None if self.compress else ChunkSums(trees, size)
         if self._standard:
-            items = {name: args.StandardSave(tree) for name, tree in trees.items()}
-        else:
+            size, items = None, {name: args.StandardSave(tree) for name, tree in trees.items()}
+        else:   # several data files, written at once (spmd.checkpoint.data_files); Orbax
+            # also cuts a shard larger than that size into chunks of at most that size: the
+            # same size on every process
+            size = target_file_bytes(share_of_state(trees), self.file_mb)
             items = {name: args.PyTreeSave(tree, ocdbt_target_data_file_size=size)
                      for name, tree in trees.items()}
+        sums = None if self.compress else ChunkSums(trees, size)
         self.manager.save(step, args=args.Composite(**items), force=True)
         if sums is not None:   # the crc32c of the chunks, while Orbax writes them
             self._sums[step] = sums.start()

@@ -1,14 +1,14 @@
 """Every rank gets whole arrays as numpy, and no part of the gather is left running.
 
-`gather_to_host` is `jax.experimental.multihost_utils.process_allgather(tree, tiled=True)`
-(and `sync_devices` its `sync_global_devices`)
-with one difference that matters at the end of a job. JAX's version replicates the array
-with a device collective and reads local device 0's copy; the collective on the other local
-devices may still be running when it returns, and nothing waits for it. If a rank then
-ends, a peer whose own part is still connecting to it (Gloo on CPU) is held in its exit, by
-the XLA client's destructor, until Gloo gives up: about 150 s, seen as a 2-rank job that
-wrote its result and then took minutes to end. Here the gather returns only once every local
-device's part is done, so a rank that returns has nothing left in flight.
+`gather_to_host` is `jax.experimental.multihost_utils.process_allgather(tree, tiled=True)`,
+and `sync_devices` its `sync_global_devices`, with one difference that matters at the end of
+a job. JAX's version replicates the array with a device collective and reads local device
+0's copy; the collective on the other local devices may still be running when it returns,
+and nothing waits for it. If a rank then ends, a peer whose own part is still connecting to
+it (Gloo on CPU) is held in its exit, by the XLA client's destructor, until Gloo gives up:
+about 150 s, seen as a 2-rank job that wrote its result and then took minutes to end. Here
+the gather returns only once every local device's part is done, so a rank that returns has
+nothing left in flight.
 """
 
 from __future__ import annotations

@@ -95,8 +95,7 @@ def submit(scheduler: Scheduler, script: Path, depends_on: str | None = None,
     env = {k: v for k, v in (os.environ if env is None else env).items() if k != "SPMD_CHAIN"}
     if chain:
         env["SPMD_CHAIN"] = chain
-    path = (env or {}).get("PATH") if env else None
-    if shutil.which(argv[0], path=path) is None:
+    if shutil.which(argv[0], path=env.get("PATH")) is None:
         raise SpmdError(f"--submit needs `{argv[0]}` ({scheduler}) on PATH and it is not there; "
                         f"run on a login node of the system, or render without --submit and "
                         f"submit {script} yourself")
