@@ -11,11 +11,15 @@
 #
 # With the device tool: carry [".whl"] and begin the command with
 #   source benchmarks/gpu_wheels.sh install && python benchmarks/gpu_check.py --out $OUT
-# Versions are the ones CI tests with; one version of each (two stop the install).
+# The newest stack the image can take: the versions of constraints/py313.txt (the newest stack
+# CI tests) for every pure-Python package and every small wheel, and the image's own jax/jaxlib
+# 0.11.2 with its CUDA 13 plugin, since jaxlib 0.12 and its plugin are 220 MB of wheels, more
+# than the device tool carries (64 MiB). On 0.11.2 spmd's host snapshot works around the
+# release's lost donation (docs/install.md). One version of each (two stop the install).
 WHEELS=(
-  pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
-  grain==0.2.18 array-record==0.8.6 portpicker==1.6.0
-  zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 flax==0.12.12
+  zarr==3.4.2 numcodecs==0.17.1 donfig==0.8.1.post1 google-crc32c==1.9.0
   h5netcdf==1.8.2 tensorboardX==2.6.5 mpich==5.0.2
 )
 SITE=${SPMD_WHEEL_SITE:-/tmp/site}

@@ -11,7 +11,9 @@ device or pinned snapshot, crc32, files, partner exchange, Orbax, agreement, com
   is one extra state-sized allocation in the next step. What ``auto`` picks on CPU.
 * ``host``   - device-to-host copy of this process's pieces straight into host buffers that
   were allocated (and their pages touched) once, when the checkpointer first saw the state
-  layout. On CPU this is one memcpy per piece.
+  layout. On CPU this is one memcpy per piece. On jaxlib 0.11.2, which keeps a buffer copied
+  to the host from donation, each piece is copied on the device first and the copy goes to
+  the host (`spmd.launch.jax_stack.host_copy_blocks_donation`).
 * ``pinned`` - `jax.device_put` of the whole state into ``pinned_host`` memory (the transfer
   Orbax itself uses); XLA keeps freed pinned memory in its host allocator pool, which is
   filled once at start-up (`prepare`) so that no save pays the slow pinned allocation.
@@ -48,6 +50,7 @@ from spmd.checkpoint.layout import (
     np_dtype,
     parallel_map,
 )
+from spmd.launch import jax_stack
 
 log = logging.getLogger("spmd.checkpoint")
 
@@ -177,7 +180,8 @@ class Snapshot:
             return _pick(self.views, pids, self.owner.rank, "view")
         with self._lock:
             if not self._host_ready:
-                self.owner.fill(jax.tree.leaves(self.tree), self.owner.local_pids)
+                self.owner.fill(jax.tree.leaves(self.tree), self.owner.local_pids,
+                                live=False)
                 self._host_ready = True
         return self.owner.buffers_for(pids)
 
@@ -258,6 +262,8 @@ class Snapshotter:
         self.prepare_s = time.perf_counter() - t0
         log.info("checkpoint snapshot: %s (%s); %d host buffers, %.1f MiB, prepared in %.2f s",
                  self.mode, self.why, len(pids), self.buffers.nbytes / 2**20, self.prepare_s)
+        for why in jax_stack.known_bad():
+            log.warning("checkpoint snapshot (%s): %s", self.mode, why)
 
     def _warm_pinned(self) -> None:
         """Fill XLA's pinned-host pool once with a state-sized allocation, then free it."""
@@ -275,15 +281,25 @@ class Snapshotter:
         assert self.buffers is not None
         return _pick(self.buffers.arrays, pids, self.rank, "buffer")
 
-    def fill(self, leaves: Sequence[jax.Array], pids: Sequence[PieceId]) -> None:
-        """Device-to-host copies of pieces `pids` into their buffers (all started first)."""
+    def fill(self, leaves: Sequence[jax.Array], pids: Sequence[PieceId],
+             live: bool = True) -> None:
+        """Device-to-host copies of pieces `pids` into their buffers (all started first).
+        `live`: the leaves are the train state itself, which the next step donates (not a
+        snapshot's own device copy)."""
         dests = self.buffers_for(pids)
         sources = [_chosen_shard(leaves[leaf], key) for leaf, key in pids]
-        for s in sources:
-            s.copy_to_host_async()
+        # jaxlib 0.11.2 keeps a buffer that was copied to the host from the next step's
+        # donation: copy a fresh on-device copy of each piece instead (one piece per thread
+        # at a time of extra device memory), never the live buffer
+        via_device = live and jax_stack.host_copy_blocks_donation()
+        if not via_device:
+            for s in sources:
+                s.copy_to_host_async()
 
         def copy(item: tuple[Any, np.ndarray]) -> None:
             src, dst = item
+            if via_device:
+                src = jax.device_put(src, may_alias=False)
             np.copyto(dst, np.asarray(src).reshape(dst.shape), casting="no")
 
         parallel_map(copy, list(zip(sources, dests)))

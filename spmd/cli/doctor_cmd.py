@@ -28,17 +28,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _jax_report() -> dict[str, Any]:
+    """The backend JAX started here: its platform and the plugin's own version string (the
+    CUDA or ROCm release it was built for), and the devices."""
     import jax
 
+    device = jax.devices()[0]
+    try:
+        platform_version = device.client.platform_version
+    except AttributeError:                          # a backend without the attribute
+        platform_version = None
     return {"version": jax.__version__, "process_index": jax.process_index(),
             "process_count": jax.process_count(), "device_count": jax.device_count(),
             "local_devices": [str(d) for d in jax.local_devices()],
-            "platform": jax.devices()[0].platform}
+            "platform": device.platform, "platform_version": platform_version,
+            "device_kind": device.device_kind}
 
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     from spmd.config.load import load_config
-    from spmd.launch import bootstrap, coordinator, devices, mpi
+    from spmd.launch import bootstrap, coordinator, devices, jax_stack, mpi
     from spmd.launch.env import resolve_launch_env
     from spmd.launch.errors import LaunchError
     from spmd.launch.launch_config import LaunchConfig
@@ -71,6 +79,9 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
             devices.apply(plan)
         report["jax"] = _jax_report()
     report["launch_config"] = launch_cfg.model_dump()
+    stack = jax_stack.installed()
+    report["stack"] = stack.to_dict()
+    report["warnings"] = list(stack.warnings)
     report["problems"] = problems
     report["notes"] = _mpi_notes(env.launcher)
     return report
@@ -115,11 +126,19 @@ def _human(report: dict[str, Any]) -> str:
         what = (f"cpu x {dev['cpu_devices'] or 1}" if dev["platform"] == "cpu"
                 else f"gpu ids {dev['local_device_ids']}")
         lines.append(row("devices", what, dev["reason"]))
+    stack = report["stack"]
+    versions = ", ".join(f"{name} {v or '-'}" for name, v in stack["versions"].items())
+    lines.append(row("stack", f"python {stack['python']}", versions))
+    plugins = ", ".join(f"{name} {v}" for name, v in stack["plugins"].items())
+    lines.append(row("plugin", plugins or "none", "PJRT plugins installed (none: CPU only)"))
     if "jax" in report:
         j = report["jax"]
         lines.append(f"  {'jax':<14} {j['version']}: process {j['process_index']} of "
                      f"{j['process_count']}, {j['device_count']} devices, "
                      f"local {j['local_devices']}")
+        lines.append(row("backend", j["platform"], f"{j['device_kind']}; "
+                                                   f"{j['platform_version'] or 'no version'}"))
+    lines += [f"  warning: {warning}" for warning in report.get("warnings", [])]
     lines += [f"  problem: {problem}" for problem in report["problems"]]
     lines += [f"  note: {note}" for note in report.get("notes", [])]
     return "\n".join(lines) + "\n"

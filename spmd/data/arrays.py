@@ -221,6 +221,26 @@ class ArraySource(RecordReads, MemberLeases):
                     self._checked = True
         return int(self._count)
 
+    def reads(self) -> dict[str, str]:
+        """How each field's records are read from the first file, and why (`spmd data
+        info`): "direct chunk reads: ...", "direct file reads: ...", or "through zarr: <why
+        not directly>" / "through h5py: ..." / a cast through the library."""
+        self.check()
+        out = {}
+        for name, field in self.fields.items():
+            dataset, key = self.datasets[name], self.field_key(name)
+            with self._member(0) as store:
+                stored = store.dtype(dataset, key)
+                how = store.reads(dataset, key)
+            if stored != field.dtype and how.startswith("direct"):
+                how = f"through the library: stored {stored}, read as {field.dtype}"
+            out[name] = f"{dataset}: {how}"
+        return out
+
+    def describe_reads(self) -> str:
+        """`reads()` as lines, one per field."""
+        return "\n".join(f"reads {name} ({how})" for name, how in self.reads().items())
+
     def _where(self, member: int) -> str:
         files = self.files
         return f"{self.where}: file {files.members[member].path}" if files.multi else self.where

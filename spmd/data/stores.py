@@ -123,6 +123,7 @@ class Store:
         self._arrays: dict[str, Any] = {}
         self._fd: int | None = None                   # for direct reads (HDF5, NetCDF4)
         self._layouts: dict[str, Any] = {}
+        self._reads: dict[str, str] = {}              # dataset -> how its records are read
         self._dtypes: dict[str, np.dtype] = {}
         self._direct_lock = threading.Lock()
         if for_records:
@@ -205,7 +206,10 @@ class Store:
                 if self.format == "zarr":
                     from spmd.data.zarr_chunks import ChunkRecords
 
-                    self._layouts[dataset] = ChunkRecords.of(array)
+                    reader, why = ChunkRecords.find(array)
+                    self._layouts[dataset] = reader
+                    self._reads[dataset] = why if reader is not None else \
+                        f"through zarr: {why}"
                 else:
                     from spmd.data.direct_reads import DirectLayout, FileRecords
 
@@ -214,7 +218,24 @@ class Store:
                     layout = DirectLayout.of(array, self._fd)
                     self._layouts[dataset] = None if layout is None else \
                         FileRecords(self._fd, layout)
+                    if layout is None:
+                        how = ("through h5py: compressed or filtered, or a layout without "
+                               "fixed offsets")
+                    else:
+                        kind = ("contiguous" if layout.rows_per_chunk >= len(array)
+                                else "uncompressed chunks")
+                        how = f"direct file reads: {kind}, at fixed offsets"
+                    self._reads[dataset] = how
             return self._layouts[dataset]
+
+    def reads(self, dataset: str, key: str) -> str:
+        """How the records of `dataset` are read, and why: "direct chunk reads: ...",
+        "direct file reads: ...", or "through zarr: <why not directly>" (`spmd data info`)."""
+        if self.format not in ("hdf5", "netcdf", "zarr"):
+            return {"npy": "through a NumPy memory map",
+                    "netcdf3": "through the NetCDF3 reader"}.get(self.format, self.format)
+        self.direct(dataset, key)
+        return self._reads[dataset]
 
     def _find(self, dataset: str, key: str) -> Any:
         if self.format == "npy":

@@ -16,9 +16,11 @@ Invariants:
   a local directory store (`zarr.storage.LocalStore`), a regular chunk grid of one record
   per chunk holding the whole record, a fixed-size integer or float dtype, the `bytes`
   codec in native byte order followed only by `zstd`, `gzip` or `blosc` (decoded by the
-  numcodecs codec zarr itself uses). `ChunkRecords.of` returns None for anything else
-  (sharding, transposes, checksums, Zarr v2, remote stores, ...), and after building a
-  reader checks it: the first and last records read both ways must be equal, else None.
+  numcodecs codec zarr itself uses). `ChunkRecords.find` returns None for anything else
+  (sharding, transposes, checksums, Zarr v2, remote stores, ...), with the reason, and after
+  building a reader checks it: the first and last records read both ways must be equal,
+  else None. The layout is read from the metadata as the Zarr v3 spec writes it, so a zarr
+  release that moves its classes does not turn the reader off.
   The caller reads through zarr wherever there is no reader: the values are the same.
 - A record whose chunk file does not exist (zarr does not write a chunk that holds only
   the fill value) is left to the caller, which reads the fill value through zarr.
@@ -65,6 +67,7 @@ class ChunkRecords:
     dtype: np.dtype
     row_bytes: int
     decoders: tuple[Callable[[bytes], Any], ...]
+    codec_names: tuple[str, ...] = ()
 
     def path(self, row: int) -> Path:
         return self.directory / self.chunk_key((row,) + (0,) * (self.ndim - 1))
@@ -72,42 +75,65 @@ class ChunkRecords:
     @classmethod
     def of(cls, array: Any) -> ChunkRecords | None:
         """The reader of a zarr Array, checked against zarr itself; None where its records
-        cannot be read straight from chunk files."""
-        try:
-            found = cls._find(array)
-            if found is None or not found._agrees(array):
-                return None
-            return found
-        except (OSError, RuntimeError, ValueError, TypeError, AttributeError, KeyError,
-                ImportError):
-            return None                               # another zarr, a foreign store, ...
+        cannot be read straight from chunk files (`find` says why)."""
+        return cls.find(array)[0]
 
     @classmethod
-    def _find(cls, array: Any) -> ChunkRecords | None:
+    def find(cls, array: Any) -> tuple[ChunkRecords | None, str]:
+        """(the reader, or None; why): "direct chunk reads (...)" or what keeps this array
+        from them, in words for `spmd data info`."""
+        try:
+            found = cls._find(array)
+            if isinstance(found, str):
+                return None, found
+            if not found._agrees(array):
+                return None, ("a record read from its chunk file differs from zarr's read of "
+                              "it (a codec spmd decodes differently)")
+        except (OSError, RuntimeError, ValueError, TypeError, AttributeError, KeyError,
+                ImportError) as e:                    # another zarr, a foreign store, ...
+            return None, f"zarr {_zarr_version()} answered {type(e).__name__}: {e}"
+        codecs = "+".join(["bytes", *found.codec_names])
+        return found, f"direct chunk reads: one record per chunk file, {codecs}"
+
+    @classmethod
+    def _find(cls, array: Any) -> ChunkRecords | str:
+        """The reader, or why there is none. Reads the array's metadata as the Zarr v3 spec
+        writes it (`to_dict()`), not zarr's Python classes, which move between releases."""
         from zarr.codecs import BytesCodec
-        from zarr.core.chunk_grids import RegularChunkGrid
         from zarr.storage import LocalStore
 
         meta = array.metadata
         store = array.store_path.store
         dtype, shape = np.dtype(array.dtype), tuple(array.shape)
-        if (meta.zarr_format != 3 or not isinstance(store, LocalStore)
-                or dtype.kind not in "iuf" or len(shape) < 1 or shape[0] == 0
-                or not isinstance(meta.chunk_grid, RegularChunkGrid)
-                or tuple(meta.chunk_grid.chunk_shape) != (1, *shape[1:])):
-            return None
+        if meta.zarr_format != 3:
+            return f"a Zarr v{meta.zarr_format} array (chunk files are read directly in v3)"
+        if not isinstance(store, LocalStore):
+            return f"a {type(store).__name__} (chunk files are read directly from a local one)"
+        if dtype.kind not in "iuf":
+            return f"dtype {dtype} (chunk files are read directly for integers and floats)"
+        if len(shape) < 1 or shape[0] == 0:
+            return f"shape {shape}: no records"
         first, *rest = meta.codecs
         if not isinstance(first, BytesCodec):
-            return None
+            return f"codec {type(first).__name__} before the bytes (sharding or a transpose)"
+        grid = meta.to_dict().get("chunk_grid", {})
+        chunks = tuple(grid.get("configuration", {}).get("chunk_shape", ()))
+        if grid.get("name") != "regular" or chunks != (1, *shape[1:]):
+            return (f"chunks {chunks or grid.get('name')}, not one record "
+                    f"{(1, *shape[1:])} each (spmd data rechunk writes that layout)")
         endian = getattr(first.endian, "value", first.endian)
         if dtype.itemsize > 1 and endian != ("little" if np.little_endian else "big"):
-            return None
+            return f"{endian}-endian bytes on a {'little' if np.little_endian else 'big'}-" \
+                   f"endian machine"
         decoders = tuple(_decoder(c) for c in rest)
         if any(d is None for d in decoders):
-            return None
+            names = [type(c).__name__ for c, d in zip(rest, decoders) if d is None]
+            return f"codec {', '.join(names)} (chunk files are read directly with zstd, " \
+                   f"gzip or blosc)"
         return cls(Path(store.root) / array.store_path.path,
                    meta.chunk_key_encoding.encode_chunk_key, len(shape), dtype.newbyteorder("="),
-                   int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize, decoders)
+                   int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize, decoders,
+                   tuple(type(c).__name__.removesuffix("Codec").lower() for c in rest))
 
     def _agrees(self, array: Any) -> bool:
         """The first and last records whose chunk files exist read the same both ways."""
@@ -175,6 +201,15 @@ class ChunkRecords:
                                f"not the record's {self.row_bytes} (damaged or truncated?)")
         buffer.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, dtype=np.uint8)
 
+
+
+def _zarr_version() -> str:
+    try:
+        import zarr
+
+        return zarr.__version__
+    except ImportError:
+        return "(not installed)"
 
 
 def _read_cached(fd: int) -> bytearray | None:

@@ -171,9 +171,10 @@ SYSTEMS: dict[str, SystemProfile] = {
             xla_flags=GPU_XLA_FLAGS,
             env=_env(_AMD_ENV, _SLINGSHOT_RCCL_ENV),
             gpus_per_rank=1,
-            # OLCF's JAX guidance: the GNU programming environment and ROCm (the
-            # jax ROCm plugin loads the site's ROCm libraries)
-            setup=("module load PrgEnv-gnu", "module load rocm",
+            # OLCF's JAX guidance (olcf-user-docs software/analytics/jax.rst): the GNU
+            # programming environment and ROCm 7 (the jax-rocm7 plugin loads the site's ROCm
+            # libraries; docs/install.md)
+            setup=("module load PrgEnv-gnu", "module load rocm/7.2.0",
                    "module load craype-accel-amd-gfx90a"),
         ),
         _PERLMUTTER,

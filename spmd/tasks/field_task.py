@@ -121,7 +121,8 @@ class FieldTask(Task[ModelCfg]):
     def describe_data(self) -> str:
         train = self._source("train", True)
         return (f"{self.cfg.data.path}: {train.count} train examples, datasets "
-                f"{train.datasets}; train order: {train.index.describe()}")
+                f"{train.datasets}; train order: {train.index.describe()}\n"
+                f"{train.describe_reads()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         path = self.cfg.data.path

@@ -308,7 +308,8 @@ class TrajectoryTask(Task[ModelCfg]):
         files = train.files.members
         return (f"{self.cfg.data.path}: {len(files)} file(s), {train.count} train windows, "
                 f"{test.count} test windows of {self.rollout_steps()} rollout steps, dataset "
-                f"{train.dataset}; train order: {train.index.describe()}")
+                f"{train.dataset}; train order: {train.index.describe()}\n"
+                f"{train.describe_reads()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         if is_coordinator and self.data_incomplete():

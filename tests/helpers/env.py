@@ -90,3 +90,17 @@ def require(condition: bool, reason: str) -> None:
         if ON_CI:
             pytest.fail(f"prerequisite missing on CI: {reason}")
         pytest.skip(reason)
+
+
+def mpiexec_path() -> str:
+    """The mpiexec that `spmd run` itself uses (`spmd.cli.run_cmd.find_mpiexec`:
+    $SPMD_MPIEXEC, next to this Python, else on PATH), found the one way for every test: a
+    venv whose bin is not on PATH still has its mpich wheel's. None: skip locally, fail on CI."""
+    from spmd.cli.run_cmd import find_mpiexec
+    from spmd.errors import SpmdError
+
+    try:
+        return str(find_mpiexec())
+    except SpmdError as e:
+        require(False, f"mpiexec: {e}")
+        raise                                   # unreachable: require skipped or failed

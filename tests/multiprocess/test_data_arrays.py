@@ -4,7 +4,6 @@ global batch for any process count, the step as the position, slab reads, clear 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 
 from spmd.config.schema import Config, DataConfig, TrainConfig
 from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
-from tests.helpers.env import REPO, clean_env, require
+from tests.helpers.env import REPO, clean_env, mpiexec_path
 
 N, BATCH, GRID = 24, 8, 16
 FIELDS = {"u0": BatchField((GRID, GRID, 1), np.float32, ("batch", "x", "y", None)),
@@ -127,7 +126,7 @@ def test_feed_reads_only_each_process_slab_under_spatial(tmp_path):
     path for sources without slabs), and the two ranks together read one batch's bytes."""
     from spmd.cli.run_cmd import find_mpiexec, flavor_args
 
-    require(shutil.which("mpiexec") is not None or find_mpiexec() is not None, "mpiexec")
+    mpiexec_path()
     rng = np.random.default_rng(1)
     data = write_arrays(tmp_path / "f.h5", {"train/f": rng.standard_normal(
         (12, GRID, GRID)).astype(np.float32)})

@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from spmd.data import write_arrays
-from tests.helpers.env import clean_env, require, run_spmd
+from tests.helpers.env import clean_env, mpiexec_path, run_spmd
 
 PARTS, PER, ROWS, GRID = 6, 8, 40, 8
 
@@ -51,7 +51,6 @@ def check_stored(parts, data):
 
 
 def test_data_stats_on_one_and_on_two_ranks(tmp_path):
-    from spmd.cli.run_cmd import find_mpiexec
 
     data, parts, config = dataset(tmp_path)
     one = run_spmd("data", "stats", str(config), "--json", env=clean_env(), timeout=120)
@@ -62,7 +61,7 @@ def test_data_stats_on_one_and_on_two_ranks(tmp_path):
     assert printed["datasets"] == first
     assert "opened 5 file(s)" in one.stderr            # records [0, 40): parts 0 .. 4
 
-    require(find_mpiexec() is not None, "mpiexec (pip install -e '.[local]')")
+    mpiexec_path()
     (parts / "stats.json").unlink()
     two = run_spmd("run", "-n", "2", "--entry", "data stats", str(config), timeout=180,
                    env=clean_env(JAX_NUM_CPU_DEVICES="1"))

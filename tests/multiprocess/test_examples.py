@@ -8,13 +8,11 @@ and `spmd plan` accept both.
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.env import REPO, clean_env, require, run_spmd
+from tests.helpers.env import REPO, clean_env, mpiexec_path, run_spmd
 
 EXAMPLES = {"unet3d": 20, "vit2d": 80}      # example -> train.steps of its config
 QUIET = ("run.progress=false",)
@@ -29,8 +27,7 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def spmd_run(name: str, devices: int, run_dir: Path, data: Path, *overrides: str):
-    require(shutil.which("mpiexec") is not None
-            or (Path(sys.executable).parent / "mpiexec").exists(), "mpiexec")
+    mpiexec_path()
     return run_spmd("run", "-n", "2", f"examples/{name}/config.yaml", f"run.dir={run_dir}",
                     f"data.path={data}", *QUIET, *overrides, timeout=600, cwd=REPO,
                     env=clean_env(JAX_NUM_CPU_DEVICES=str(devices)))

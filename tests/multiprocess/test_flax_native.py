@@ -20,7 +20,7 @@ import pytest
 
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from tests.helpers.env import clean_env, require, run_spmd
+from tests.helpers.env import clean_env, mpiexec_path, run_spmd
 from tests.helpers.training import runtime_for, train_steps
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ _RUNS: dict[str, Path] = {}
 def two_ranks(workdir: Path, strategy: str) -> Path:
     """The strategy's 2-rank run (once per module); fsdp_tp keeps its step-2 checkpoint."""
     if strategy not in _RUNS:
-        require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
+        mpiexec_path()
         run_dir = workdir / strategy
         saves = (["checkpoint.persistent_every=2"] if strategy == "fsdp_tp"
                  else ["checkpoint.final=false"])

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers.env import REPO, clean_env, require, run_spmd
+from tests.helpers.env import REPO, clean_env, mpiexec_path, run_spmd
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +49,7 @@ def train(run_dir: Path, data: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    require(shutil.which("mpiexec") is not None
-            or (Path(sys.executable).parent / "mpiexec").exists(), "mpiexec")
+    mpiexec_path()
     path = tmp_path_factory.mktemp("kolmogorov_data") / "trajectories"
     made = run_spmd("data", "make", CONFIG, f"data.path={path}", *SMALL, cwd=REPO)
     assert made.returncode == 0, made.stderr[-3000:]
@@ -95,6 +93,12 @@ def test_data_make_writes_multi_file_zarr_trajectories(data):
             w = array[...]
             assert np.isfinite(w).all() and 0.3 < float(w.std()) < 3.0   # of order one
     assert counts == {"train": 16, "test": 4}
+    # spmd data info names the reader and why: the trajectories are sharded (a window reads a
+    # slab of a trajectory), which zarr reads
+    info = run_spmd("data", "info", CONFIG, f"data.path={data}", *SMALL, cwd=REPO)
+    assert info.returncode == 0, info.stderr[-3000:]
+    assert "reads input (train/vorticity: through zarr: codec ShardingCodec before the " \
+           "bytes" in info.stdout, info.stdout
 
 
 def test_surrogate_learns_rolls_out_and_plots(trained):

@@ -3,13 +3,12 @@ traceback, never a hang."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import sys
 import time
 
-from tests.helpers.env import clean_env, require, run_spmd
+from tests.helpers.env import clean_env, mpiexec_path, run_spmd
 
 
 def assert_clean_failure(result, *needles: str) -> None:
@@ -37,9 +36,8 @@ def test_allocation_but_not_a_step():
 
 
 def test_environment_and_mpi_disagree_on_size():
-    require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
     env = clean_env(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0")
-    result = subprocess.run(["mpiexec", "-n", "2", "-launcher", "fork", sys.executable, "-m",
+    result = subprocess.run([mpiexec_path(), "-n", "2", "-launcher", "fork", sys.executable, "-m",
                              "spmd.cli", "doctor"], capture_output=True, text=True, env=env,
                             timeout=60)
     assert_clean_failure(result, "SLURM_PROCID=0, SLURM_NTASKS=4", "rank 1 of 2",

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers.env import REPO, clean_env, require
+from tests.helpers.env import REPO, clean_env, mpiexec_path
 
 pytestmark = pytest.mark.slow
 
 
 def mpiexec(n: int, *argv: str, env: dict[str, str], timeout: float = 120):
-    require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
-    return subprocess.run(["mpiexec", "-n", str(n), "-launcher", "fork", *argv],
+    return subprocess.run([mpiexec_path(), "-n", str(n), "-launcher", "fork", *argv],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 

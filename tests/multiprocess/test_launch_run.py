@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.env import REPO, clean_env, require, run_spmd
+from tests.helpers.env import REPO, clean_env, mpiexec_path, require, run_spmd
 
 pytestmark = pytest.mark.slow
 MLP = str(REPO / "configs" / "mlp_tiny.yaml")
 
 
 def need_mpiexec() -> None:
-    require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
+    mpiexec_path()
 
 
 def doctor_reports(stdout: str) -> list[dict]:

@@ -5,14 +5,13 @@ opens only the files that hold its rows and reads only its rows (or slabs)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 
 from spmd.data import ArraySource, BatchField, write_arrays
-from tests.helpers.env import REPO, clean_env, require
+from tests.helpers.env import REPO, clean_env, mpiexec_path
 
 N, BATCH, GRID, PART = 48, 8, 16, 4
 
@@ -20,7 +19,7 @@ N, BATCH, GRID, PART = 48, 8, 16, 4
 def test_multi_file_feed_under_two_processes(tmp_path):
     from spmd.cli.run_cmd import find_mpiexec, flavor_args
 
-    require(shutil.which("mpiexec") is not None or find_mpiexec() is not None, "mpiexec")
+    mpiexec_path()
     rng = np.random.default_rng(1)
     data = rng.standard_normal((N, GRID, GRID)).astype(np.float32)
     single = write_arrays(tmp_path / "single.h5", {"train/f": data})

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 
-from tests.helpers.env import REPO, clean_env, require, run_spmd
+from tests.helpers.env import REPO, clean_env, mpiexec_path, run_spmd
 
 TINY = str(REPO / "configs" / "transformer_tiny.yaml")
 
@@ -18,7 +17,7 @@ def losses(run_dir):
 
 
 def test_two_processes_match_one_process(tmp_path):
-    require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
+    mpiexec_path()
     common = ["mesh.strategy=fsdp_tp", "train.steps=10", "run.progress=false"]
     one = run_spmd("train", TINY, f"run.dir={tmp_path / 'one'}", *common,
                    env=clean_env(JAX_NUM_CPU_DEVICES="8"))

@@ -7,7 +7,6 @@ of the wall time unexplained."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import time
@@ -19,7 +18,7 @@ import yaml
 
 from spmd.rundir.trackers import flatten
 from tests.helpers.checkpoint_worker import _env, events, kill_tagged, train_cmd
-from tests.helpers.env import REPO, require, run_spmd
+from tests.helpers.env import REPO, mpiexec_path, run_spmd
 from tests.helpers.fault_injection import fault_env
 from tests.helpers.records import read_jsonl
 from tests.unit.test_trackers import tensorboard_hparams
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def need_mpiexec() -> None:
-    require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
+    mpiexec_path()
 
 
 def test_profile_trace_and_tensorboard_of_a_two_rank_run(tmp_path):

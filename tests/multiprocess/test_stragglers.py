@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checkpoint_worker import REPO, _env, events, train, train_cmd
-from tests.helpers.env import require, run_spmd, side_by_side
+from tests.helpers.env import mpiexec_path, run_spmd, side_by_side
 from tests.helpers.fault_injection import fault_env
 from tests.helpers.records import read_jsonl
 from tests.multiprocess.test_launch_run import rank_pids
@@ -66,7 +65,7 @@ def frozen_run(run_dir: Path) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Three 2-rank runs: the slowed and the frozen side by side (a frozen rank leaves the
     CPU to the other job half the time), then the even one alone."""
-    require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
+    mpiexec_path()
     root = tmp_path_factory.mktemp("stragglers")
     slowed, frozen = side_by_side(
         lambda: train(2, root / "slowed", *RUN, devices=1, **fault_env(slow_rank=f"1:{SLOW_S}")),

@@ -5,7 +5,6 @@ on 2 ranks x 4 CPU devices under fsdp with the losses of one process on one devi
 from __future__ import annotations
 
 import json
-import shutil
 
 import jax
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from spmd.config.load import load_config
 from spmd.engine.mesh import build_mesh
-from tests.helpers.env import clean_env, require, run_spmd
+from tests.helpers.env import clean_env, mpiexec_path, run_spmd
 from tests.helpers.training import runtime_for, train_steps
 
 pytestmark = pytest.mark.slow
@@ -26,7 +25,7 @@ CONFIG = {"task": "tests.helpers.plain_models:PlainConvTask",
 
 
 def test_unannotated_conv_net_on_two_ranks_matches_one_device(tmp_path):
-    require(shutil.which("mpiexec") is not None, "mpiexec (pip install 'spmd-hpc[local]')")
+    mpiexec_path()
     path = tmp_path / "conv.json"
     path.write_text(json.dumps(CONFIG))
     cfg = load_config(path, ["mesh.strategy=dp"])

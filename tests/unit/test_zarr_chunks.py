@@ -4,6 +4,8 @@ is named."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import zarr
@@ -137,5 +139,56 @@ def test_a_damaged_chunk_file_is_named(tmp_path):
         src.rows(0, 0, ROWS)
 
 
+def test_the_source_says_it_reads_chunk_files_of_a_store_zarr_and_xarray_wrote(tmp_path):
+    """`reads()` (what `spmd data info` prints) names the direct chunk reader for a store
+    written by zarr itself and one written by xarray (as WeatherBench2 writes its stores),
+    with this zarr release: a release that moves zarr's classes must not turn it off."""
+    import xarray as xr
+
+    data = values()
+    by_zarr = write_zarr(tmp_path / "z.zarr", data, compressors=ZstdCodec(level=3))
+    src = ArraySource(by_zarr, {"u": "train/u"}, FIELD, ROWS, shuffle=False)
+    assert src.reads() == {"u": "train/u: direct chunk reads: one record per chunk file, "
+                                "bytes+zstd"}
+    by_xarray = tmp_path / "x.zarr"
+    xr.Dataset({"u": (("time", "lat", "lon"), data)}).to_zarr(
+        by_xarray, zarr_format=3, encoding={"u": {"chunks": (1, *SHAPE)}})
+    src = ArraySource(by_xarray, {"u": "u"}, FIELD, ROWS, shuffle=False)
+    assert src.reads()["u"].startswith("u: direct chunk reads: one record per chunk file")
+    np.testing.assert_array_equal(src.rows(0, 0, ROWS)["u"][..., 0], data)
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"chunks": (2, *SHAPE)}, r"chunks \(2, 6, 4\), not one record \(1, 6, 4\) each"),
+    ({"chunks": (1, *SHAPE), "shards": (ROWS, *SHAPE)}, r"codec ShardingCodec before"),
+    ({"compressors": [Crc32cCodec()]}, r"codec Crc32cCodec \(chunk files are read directly"),
+], ids=["two-per-chunk", "sharded", "crc"])
+def test_the_source_says_why_it_reads_through_zarr(tmp_path, kw, why):
+    path = write_zarr(tmp_path / "d.zarr", values(), **kw)
+    src = ArraySource(path, {"u": "train/u"}, FIELD, ROWS, shuffle=False)
+    assert re.fullmatch(r"train/u: through zarr: " + why + ".*", src.reads()["u"])
+
+
 def test_readers_are_refused_for_other_arrays():
     assert ChunkRecords.of(np.zeros((3, 2))) is None
+
+
+def test_spmd_data_info_names_the_direct_reader_of_a_zarr_store(tmp_path):
+    """The CLI, as a user runs it, on a Zarr v3 store that zarr itself wrote with one record
+    per chunk: `spmd data info` says each field is read straight from its chunk files."""
+    from tests.helpers.env import REPO, run_spmd
+
+    rng = np.random.default_rng(2)
+    root = zarr.open_group(str(tmp_path / "fields.zarr"), mode="w")
+    for split, n in (("train", 8), ("test", 4)):
+        for name in ("f", "u"):
+            array = root.create_array(f"{split}/{name}", shape=(n, 8, 8, 1), dtype="float32",
+                                      chunks=(1, 8, 8, 1))
+            array[...] = rng.standard_normal((n, 8, 8, 1)).astype(np.float32)
+    info = run_spmd("data", "info", "examples/vit2d/config.yaml", "model.grid=8",
+                    "data.source=zarr", f"data.path={tmp_path / 'fields.zarr'}",
+                    "data.num_train=8", "data.num_test=4", cwd=REPO, timeout=120)
+    assert info.returncode == 0, info.stderr[-3000:]
+    for name in ("f", "u"):
+        assert (f"reads {name} (train/{name}: direct chunk reads: one record per chunk file, "
+                f"bytes+zstd)") in info.stdout, info.stdout
