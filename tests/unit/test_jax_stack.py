@@ -91,3 +91,22 @@ def test_spmd_doctor_reports_the_stack_and_the_backend():
     assert human.returncode == 0, human.stderr[-3000:]
     assert f"jax {jax.__version__}, jaxlib {metadata.version('jaxlib')}" in human.stdout
     assert "plugin         none" in human.stdout and "backend        cpu" in human.stdout
+
+
+def test_the_gpu_wheels_carry_the_newest_stacks_versions():
+    """benchmarks/gpu_wheels.sh carries, for the GPU image, the versions CI tests on the newest
+    stack (constraints/py313.txt), one version of each."""
+    import re
+
+    from packaging.utils import canonicalize_name
+
+    script = (REPO / "benchmarks" / "gpu_wheels.sh").read_text()
+    wheels = re.search(r"^WHEELS=\((.*?)^\)", script, re.S | re.M).group(1).split()
+    pinned = dict(w.split("==") for w in wheels)
+    newest = dict(line.split("==") for line in
+                  (REPO / "constraints" / "py313.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    newest = {canonicalize_name(k): v for k, v in newest.items()}
+    assert len(pinned) == len(wheels) >= 16
+    for name, version in pinned.items():
+        assert newest.get(canonicalize_name(name)) == version, (name, version)
