@@ -7,11 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# pyenv's own interpreters first: its python3.13 shim on PATH fails unless 3.13 is selected
 python=${SPMD_NEWEST_PYTHON:-}
 if [[ -z "$python" ]]; then
-    for candidate in "$(command -v python3.13 || true)" /root/.pyenv/versions/3.13*/bin/python3.13 \
-                     "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13; do
-        if [[ -x "$candidate" ]]; then python=$candidate; break; fi
+    for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 \
+                     "$(command -v python3.13 || true)"; do
+        if [[ -x "$candidate" ]] && "$candidate" -c \
+                'import sys; sys.exit(sys.version_info[:2] != (3, 13))' 2>/dev/null; then
+            python=$candidate
+            break
+        fi
     done
 fi
 if [[ -z "$python" ]]; then
