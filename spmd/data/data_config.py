@@ -83,7 +83,8 @@ class DataConfig(BaseModel):
     num_train: int = Field(1000, ge=1, description="Examples in the train split.")
     num_test: int = Field(100, ge=1, description="Examples in the test split.")
     eval_batches: int = Field(
-        2, ge=1, description="Batches of the test split each evaluation reads.")
+        2, ge=1, description="Batches of the test split each evaluation during training "
+        "scores at most (its first windows, each once; `spmd eval` scores the whole split).")
     seed: int = Field(
         0, ge=0, description="Generator seed of a data set made by `spmd data make`.")
     solver: dict[str, Any] = Field(

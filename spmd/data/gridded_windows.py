@@ -283,6 +283,16 @@ class GriddedWindowSource(ArraySource):
                       for t in self.time_range)
         return f"{start or 'start'} .. {end or 'end'}"
 
+    def covered_text(self) -> str:
+        """What the split holds: the first window's first time .. the last window's last
+        time (the data's own times, within `data.splits`: an end written as a date is its
+        whole day)."""
+        if self.count < 1:
+            return self._range_text()
+        first, last = self.window_of(0)["times"][0], self.window_of(self.count - 1)["times"][-1]
+        return (f"{np.datetime_as_string(first, unit='m')} .. "
+                f"{np.datetime_as_string(last, unit='m')}")
+
     def window_of(self, record: int) -> dict[str, Any]:
         """Where window `record` lies: its first time, its times, and its (file, first row,
         stop row) pieces."""
@@ -299,7 +309,7 @@ class GriddedWindowSource(ArraySource):
         units = {}
         for f in tl.files[:1]:
             units = {n: v.units for n, v in f.variables.items()}
-        return (f"{self.where}: {tl.describe()}\nsplit {self.split} ({self._range_text()}): "
+        return (f"{self.where}: {tl.describe()}\nsplit {self.split} ({self.covered_text()}): "
                 f"{self.count} windows of {self.span} steps, stride "
                 f"{self.stride}; data.nan: {self.nan}\n"
                 f"{channel_table(self.channels, self.constants, units)}"

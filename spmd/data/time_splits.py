@@ -10,7 +10,9 @@ on years it never saw. With
 
 both splits read the same files (or the same Zarr store): a window belongs to a split when
 all its times lie in [start, end] (both ends included; either may be left out: the start
-or the end of the data).
+or the end of the data). As in xarray's `sel(time=slice(start, end))`, an end written as a
+date is its whole day (`2001-12-31` ends at 23:59:59.999999999; a month or a year likewise),
+and a start is the period's first instant.
 
 Invariants:
 - Splits whose ranges overlap are refused, naming both and the overlap, unless
@@ -34,16 +36,23 @@ from spmd.data.stores import ArrayDataError
 __all__ = ["as_time", "check_splits", "split_range"]
 
 
-def as_time(value: Any, key: str) -> np.datetime64 | None:
-    """A config time (`2002-01-01`, `2002-01-01T06:00`, a YAML date) as datetime64[ns]."""
+def as_time(value: Any, key: str, end: bool = False) -> np.datetime64 | None:
+    """A config time (`2002-01-01`, `2002-01-01T06:00`, a YAML date) as datetime64[ns]. With
+    `end`, the last nanosecond of the period written, as xarray's `sel(time=slice(...,
+    "2002-01-01"))` reads it: a date is its whole day, `2002-03` the month, `2002` the year,
+    `2002-01-01T06` the hour."""
     if value is None:
         return None
     if isinstance(value, datetime.datetime):
         value = value.replace(tzinfo=None).isoformat()
     elif isinstance(value, datetime.date):
         value = value.isoformat()
+    text = str(value).strip().replace(" ", "T")
     try:
-        return np.datetime64(str(value).replace(" ", "T"), "ns")
+        written = np.datetime64(text)                  # in the unit the text is written in
+        if end:
+            return (written + 1).astype("datetime64[ns]") - np.timedelta64(1, "ns")
+        return written.astype("datetime64[ns]")
     except ValueError:
         raise ArrayDataError(f"{key}={value!r}: not a date or time; write e.g. 2002-01-01 or "
                              f"2002-01-01T06:00") from None
@@ -51,7 +60,8 @@ def as_time(value: Any, key: str) -> np.datetime64 | None:
 
 def _range(spec: Any, key: str) -> tuple[np.datetime64 | None, np.datetime64 | None]:
     get = spec.get if isinstance(spec, Mapping) else lambda k: getattr(spec, k, None)
-    start, end = as_time(get("start"), f"{key}.start"), as_time(get("end"), f"{key}.end")
+    start = as_time(get("start"), f"{key}.start")
+    end = as_time(get("end"), f"{key}.end", end=True)
     if start is not None and end is not None and end < start:
         raise ArrayDataError(f"{key}: end {end} is before start {start}")
     return start, end

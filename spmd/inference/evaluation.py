@@ -1,9 +1,11 @@
 """`spmd eval`: the task's evaluation metrics on a split, with a run's trained parameters.
 
-The metrics are computed exactly as the trainer's evaluation computes them (the same jitted
-eval step, the model in eval mode and any `rngs` from a fixed key, over the same fixed
-batches of `data.eval_batches` x `train.batch_size` examples),
-so evaluating the last step of a run reproduces the last evaluation in its metrics.jsonl.
+The metrics are computed as the trainer's evaluation computes them (the same jitted eval
+step, the model in eval mode and any `rngs` from a fixed key), over every window of the split
+once by default (spmd.loop.split_eval: the last partial batch padded and its padding taken
+out), with how many windows were scored and, for weather and climate files, the time range
+they cover. `max_batches=data.eval_batches` scores what the trainer's evaluations score (their
+first batches), so it reproduces the last evaluation in a run's metrics.jsonl.
 
 Weather scores: a task whose eval metrics hold latitude-weighted mean squared errors
 (`lat_mse_<channel>_<lead>`, `persistence_lat_mse_<channel>_<lead>`: a TrajectoryTask whose
@@ -19,14 +21,17 @@ from spmd.engine.engine_config import EngineSections
 from spmd.engine.runtime import build_runtime
 from spmd.errors import SpmdError
 from spmd.inference.loading import Trained
-from spmd.loop.builtin_hooks import evaluate
+from spmd.loop.split_eval import evaluate
 from spmd.scores.weather import finish_scores
 
 SPLITS = ("test", "train")
 
 
-def evaluate_split(trained: Trained, split: str = "test") -> dict[str, float]:
-    """Mean eval metrics of `trained` over the split's eval batches (on `trained.mesh`)."""
+def evaluate_split(trained: Trained, split: str = "test",
+                   max_batches: int | None = None) -> dict[str, float | int | str]:
+    """Mean eval metrics of `trained` over every window of the split (at most `max_batches`
+    whole batches), on `trained.mesh`, with `windows_scored`, `windows_in_split` and, where
+    the windows have times, `windows_from` / `windows_to`."""
     if split not in SPLITS:
         raise SpmdError(f"--split {split}: the splits are {', '.join(SPLITS)}")
     cfg = trained.config
@@ -43,4 +48,4 @@ def evaluate_split(trained: Trained, split: str = "test") -> dict[str, float]:
     rt = build_runtime(EngineSections.of(cfg), trained.mesh, task)
     assert rt.eval_step is not None
     source = task.eval_source() if split == "test" else task.train_source()
-    return finish_scores(evaluate(rt, trained.params, None, source))
+    return finish_scores(evaluate(rt, trained.params, None, source, max_batches=max_batches))

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.config.schema import Config
-from spmd.data.batch import DataSource
 from spmd.engine.engine_config import TrainConfig
 from spmd.engine.runtime import Runtime
 from spmd.engine.state import learning_rate
 from spmd.errors import ExitCode
 from spmd.loop.hooks import StepInfo, Stop
+from spmd.loop.split_eval import evaluate
 from spmd.loop.throughput import FlopRate
 from spmd.rundir.console import Progress, phase_done
 from spmd.rundir.metrics import EventLog, JsonlWriter
@@ -36,7 +36,6 @@ from spmd.tasks import Task
 
 log = logging.getLogger("spmd.loop.trainer")
 
-SAMPLES_KEPT = 4  # examples of an eval batch kept in eval_sample.npz
 
 
 class StepClock:
@@ -176,30 +175,6 @@ class MetricsHook:
             tracker.close()
 
 
-def evaluate(rt: Runtime, params, sample_path: Path | None,
-             source: DataSource | None = None) -> dict[str, float]:
-    """Mean of the task's eval metrics over the task's eval batches (fixed batches).
-
-    `source`: the batches' source (default: the task's eval source); `spmd eval` passes
-    another split. With a sample step, the first batch's sample outputs (first few
-    examples) go to `sample_path` (rank 0).
-    """
-    source = source if source is not None else rt.task.eval_source()
-    totals: dict[str, float] = {}
-    n = rt.task.eval_batches()
-    for i in range(n):
-        batch = rt.eval_feed.global_batch(source, i)
-        metrics = jax.device_get(rt.eval_step(params, batch))
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v) / n
-        if i == 0 and rt.sample_step is not None:
-            sample = jax.device_get(rt.sample_step(params, batch))
-            if sample_path is not None:
-                np.savez(sample_path, **{k: np.asarray(v)[:SAMPLES_KEPT]
-                                         for k, v in sample.items()})
-    return totals
-
-
 class EvalHook:
     """Evaluates at step 0 of a fresh run, every train.eval_every updates and at the end;
     with the EMA of the parameters when train.eval_ema is set (`Runtime.eval_params`)."""
@@ -213,7 +188,10 @@ class EvalHook:
     def _evaluate(self, info: StepInfo) -> None:
         started = time.perf_counter()
         params = self.rt.eval_params(info.state)   # the EMA's with train.eval_ema
-        record = {"step": info.step, **evaluate(self.rt, params, self.sample_path)}
+        # data.eval_batches whole batches at most (quick, during training; `spmd eval` scores
+        # the whole split), every window once
+        record = {"step": info.step, **evaluate(self.rt, params, self.sample_path,
+                                                max_batches=self.rt.task.eval_batches())}
         self.metrics.record(record)
         seconds = time.perf_counter() - started
         self.events.emit("evaluated", **record, seconds=round(seconds, 4))  # spmd report

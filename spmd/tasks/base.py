@@ -131,7 +131,11 @@ class Task(abc.ABC, Generic[ModelCfg]):
         return None
 
     def eval_metrics(self, model: nnx.Module, batch: Mapping[str, jax.Array]) -> dict:
-        """Per-batch metrics averaged over eval batches (only when eval_source() is not None).
+        """Per-batch metrics, each a mean over the batch's examples (only when eval_source()
+        is not None). An evaluation weights batches by their examples, and takes the
+        padding of a split's partial last batch out by those means (spmd.loop.split_eval),
+        so a metric that is not a mean of per-example values (a maximum, a ratio of batch
+        sums) is approximate there.
 
         The model is in eval mode. Like `loss`, an override may take `rngs` (from a fixed
         key: evaluation is deterministic) and `train` (False) as keyword parameters.

@@ -231,17 +231,44 @@ Normalization = dict[str, tuple[np.ndarray, np.ndarray]]
 
 def run_normalization(cfg: Config, names: tuple[str, ...],
                       stored: Callable[[], Normalization]) -> Normalization:
-    """{name: (mean, std)} a run normalizes with: `stored()` (the statistics beside the
-    data, checked against them), kept in `run.dir/normalization.json`; that copy when
-    data.path is absent (the run loaded elsewhere)."""
+    """{name: (mean, std)} a run normalizes with. The statistics a run trains with are part of
+    its model: the first use keeps them in `run.dir/normalization.json` (from `stored()`,
+    the statistics beside the data, checked against them), and from then on that copy is the
+    normalization, read-only, whatever `data.path` says: a resumed run, `spmd eval` and
+    `spmd predict` on other data, and `spmd.load` elsewhere all read it, and none rewrites
+    it. Data whose own statistics differ get a warning, not a renormalized model; a new run
+    directory takes the data's statistics (`spmd data stats CONFIG` recomputes them)."""
     copy = Path(cfg.run.dir) / NORMALIZATION_COPY
-    if not data_exists(cfg.data.path) and copy.is_file():
-        log.info("data.path %s is absent: normalizing with the statistics the run trained "
-                 "with (%s)", cfg.data.path, copy)
-        return read_kept_normalization(copy, names)
+    if copy.is_file():
+        norm = read_kept_normalization(copy, names)
+        if data_exists(cfg.data.path):
+            _compare_with_data(norm, stored, copy, cfg.data.path)
+        else:
+            log.info("data.path %s is absent: normalizing with the statistics the run trained "
+                     "with (%s)", cfg.data.path, copy)
+        return norm
     norm = stored()
     keep_normalization(copy, norm)
     return norm
+
+
+def _compare_with_data(norm: Normalization, stored: Callable[[], Normalization], copy: Path,
+                       data_path: object) -> None:
+    """A warning when the statistics beside `data_path` are not the run's (another data
+    set, or statistics recomputed since): the run keeps its own."""
+    try:
+        theirs = stored()
+    except ArrayDataError as e:                    # other data without statistics: fine
+        log.info("data.path %s: no statistics to compare with the run's (%s); normalizing "
+                 "with the run's (%s)", data_path, e, copy)
+        return
+    differ = [name for name, (mean, std) in norm.items() if name in theirs and not (
+        np.allclose(theirs[name][0], mean, rtol=1e-6, atol=0)
+        and np.allclose(theirs[name][1], std, rtol=1e-6, atol=0))]
+    if differ:
+        log.warning("data.path %s: the statistics of %s differ from the ones the run trained "
+                    "with; normalizing with the run's (%s, kept unchanged). A new run.dir "
+                    "trains with the data's own.", data_path, ", ".join(differ), copy)
 
 
 def keep_normalization(path: Path, norm: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:

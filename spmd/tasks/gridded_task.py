@@ -151,15 +151,22 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
     def describe_data(self) -> str:
         train = self._source("train", True)
         test = self._source("test", False, self.rollout_steps())
-        return (f"{train.describe()}\nsplit test ({test._range_text()}): {test.count} "
+        return (f"{train.describe()}\nsplit test ({test.covered_text()}): {test.count} "
                 f"windows of {self.rollout_steps()} rollout steps; train order: "
                 f"{train.index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         """Check the files; with data.normalize, the coordinator computes the train split's
         channel statistics and stores them beside the data when they are missing or stale
-        (as `spmd data stats CONFIG` does)."""
+        (as `spmd data stats CONFIG` does). The coordinator says what each split covers."""
         self.grid()
+        if is_coordinator:
+            train = self._source("train", True)
+            log.info("split train (%s): %d windows", train.covered_text(), train.count)
+            if self.cfg.train.eval_every:
+                test = self._source("test", False, self.rollout_steps())
+                log.info("split test (%s): %d windows of %d rollout steps",
+                         test.covered_text(), test.count, self.rollout_steps())
         if is_coordinator and self.cfg.data.normalize:
             source = self._statistics_source()
             try:

@@ -15,6 +15,7 @@ import pytest
 from spmd.config.schema import Config, DataConfig, RunConfig, TrainConfig
 from spmd.data import ArrayDataError, ArraySource, BatchField, file_index, write_arrays
 from spmd.data.normalization import (
+    compute_statistics,
     load_statistics,
     merge_statistics,
     partial_statistics,
@@ -281,3 +282,36 @@ def test_the_run_keeps_its_normalization_and_loads_without_the_data(tmp_path):
     copy.write_text("{")                           # a damaged copy is named, not guessed
     with pytest.raises(ArrayDataError, match="normalization.json"):
         pair_task(tmp_path, normalize=True).normalization()
+
+
+def test_the_runs_normalization_is_read_only_whatever_data_path_says(tmp_path, caplog):
+    """Eval or predict on other data (other values, with their own statistics) uses the
+    statistics the run trained with, warns that the data's differ, and never rewrites the
+    run's normalization.json (issue 49: a trained model's input statistics are part of it)."""
+    import logging
+
+    import h5py
+
+    task = pair_task(tmp_path, normalize=True)
+    task.prepare(True)
+    used = task.normalization()
+    copy = tmp_path / "run" / "normalization.json"
+    before, stamp = copy.read_bytes(), copy.stat().st_mtime_ns
+    x, y = PairTask.make_pairs(None, 16, seed=9)
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:                 # written by h5py, not by spmd
+        f["train/input"], f["train/target"] = x * 2 + 1, y * 2
+        f["test/input"], f["test/target"] = x[:8], y[:8]
+    cfg = task.cfg.model_copy(update={"data": task.cfg.data.model_copy(update={"path": other})})
+    compute_statistics(PairTask(cfg).train_source(), "train")   # the other data's own
+    with caplog.at_level(logging.WARNING, logger="spmd.tasks.field_task"):
+        got = PairTask(cfg).normalization()
+    for field, (mean, std) in used.items():
+        np.testing.assert_array_equal(got[field][0], mean)
+        np.testing.assert_array_equal(got[field][1], std)
+    assert copy.read_bytes() == before and copy.stat().st_mtime_ns == stamp
+    assert any("differ from the ones the run trained with" in r.getMessage()
+               and "input" in r.getMessage() for r in caplog.records), caplog.text
+    os.remove(f"{other}.stats.json")                # other data without statistics: quietly
+    assert PairTask(cfg).normalization()["input"][0].tolist() == used["input"][0].tolist()
+    assert copy.read_bytes() == before

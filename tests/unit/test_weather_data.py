@@ -474,6 +474,26 @@ def test_splits_overlap_identical_and_missing():
         split_range({k: v.model_dump() for k, v in cfg.splits.items()}, "test")
 
 
+def test_an_end_written_as_a_date_is_its_whole_day_as_in_xarray(tmp_path):
+    """`end: 2000-03-24` holds every step of that day, as xarray's sel(time=slice(None,
+    "2000-03-24")) does (issue 49); a month or an hour written likewise; a YAML date too."""
+    import datetime
+
+    paths = write_era5_years(tmp_path / "six_hourly", (2000,), step_hours=6, zlib_year=None)
+    ds = xr.open_dataset(paths[0])
+    for end in ("2000-03-24", "2000-03", "2000-03-24T06", datetime.date(2000, 3, 24)):
+        steps = ds.sel(time=slice(None, str(end))).sizes["time"]
+        splits = {"train": {"end": end}, "test": {"start": "2000-06-01"}}
+        src = source(tmp_path / "six_hourly", time_range=split_range(splits, "train"))
+        assert src.count == steps - 1, end                    # windows of 2 steps
+        assert src.window_of(src.count - 1)["times"][-1] == ds["time"].values[steps - 1]
+        assert src.covered_text() == (f"2000-01-01T00:00 .. "
+                                      f"{np.datetime_as_string(ds['time'].values[steps - 1], 'm')}")
+    assert steps == 4 * (31 + 29 + 23) + 4                    # all of 24 March, 6-hourly
+    with pytest.raises(ArrayDataError, match="overlap"):      # the train day holds 12:00
+        check_splits({"train": {"end": "2000-03-24"}, "test": {"start": "2000-03-24T12:00"}})
+
+
 def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
     from spmd.config.schema import Config, TrainConfig
     from spmd.data.windows import WindowSource

@@ -8,10 +8,13 @@ date splits of the fixture's two years), then `spmd data info`, `spmd data stats
 Independent checks:
 - the channel table and the test split's window count; NaN-aware statistics (land left out);
 - finite losses and eval losses on 2 ranks with NaN over land;
-- persistence's lat-weighted RMSE equals one computed here with xarray from the files alone
-  (cos-latitude weights of mean 1, the first eval windows of the test year), per lead;
-- the model's lat_rmse is the square root of the lat_mse the last evaluation logged in
-  metrics.jsonl (the same parameters and the same eval batches);
+- `spmd eval` scores every window of the test year once (363, in batches of 8: its last
+  batch is partial) and says so, with the time range; persistence's lat-weighted RMSE over
+  them equals one computed here with xarray from the files alone (cos-latitude weights of
+  mean 1), per lead;
+- `spmd eval --batches 2` on other files (t2m scaled by 1.1) scores their first 16 windows
+  (persistence equal to xarray's on those files) with the statistics the run trained with:
+  the run's normalization.json is byte for byte what training wrote;
 - the anomaly correlation against the train split's climatology (acc_<channel>_<lead>, and
   persistence's) is reported, finite and in [-1, 1], land left out; the climatology's
   lat-weighted RMSE equals one computed with xarray from the train year's mean
@@ -64,8 +67,21 @@ def flagship(tmp_path_factory):
         ({**env, "SPMD_MPI": "0"}, ["data", "stats", str(FLAGSHIP), *keys, "--json"])])
     out["train"] = run_spmd("run", "-n", "2", str(FLAGSHIP), *keys, env=env, cwd=REPO,
                             timeout=400)
-    out["eval"] = (run_spmd("eval", str(run), "--json", env=env, cwd=REPO, timeout=300)
-                   if out["train"].returncode == 0 else None)
+    out["eval"] = out["eval_other"] = None
+    if out["train"].returncode == 0:
+        out["eval"] = run_spmd("eval", str(run), "--json", env=env, cwd=REPO, timeout=300)
+        other = root / "other"              # the same layout, other values and statistics
+        other.mkdir()
+        for year in (2000, 2001):
+            with xr.open_dataset(data / f"era5_{year}.nc") as ds:
+                ds = ds.load()
+            ds["t2m"] = ds["t2m"] * 1.1
+            ds.to_netcdf(other / f"era5_{year}.nc")
+        copy = run / "normalization.json"
+        out["normalization"] = (copy.read_bytes(), copy.stat().st_mtime_ns)
+        out["other"] = other
+        out["eval_other"] = run_spmd("eval", str(run), "--json", "--batches", "2",
+                                     f"data.path={other}", env=env, cwd=REPO, timeout=300)
     return out
 
 
@@ -73,10 +89,19 @@ def records(run) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
 
 
-def eval_metrics(flagship) -> dict:
-    out = flagship["eval"]
+def eval_report(flagship, key: str = "eval") -> dict:
+    out = flagship[key]
     assert out is not None and out.returncode == 0, (out.stderr[-3000:] if out else "no eval")
-    return json.loads(out.stdout.splitlines()[-1])["metrics"]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def eval_metrics(flagship) -> dict:
+    return eval_report(flagship)["metrics"]
+
+
+def lat_weights(ds) -> np.ndarray:
+    w = np.cos(np.deg2rad(ds["latitude"].values))
+    return (w / w.mean())[None, :, None]
 
 
 @pytest.mark.slow
@@ -110,6 +135,9 @@ def test_mask_trains_finite_on_two_ranks(flagship):
     assert len(evals) == 3 and np.isfinite(evals).all()
     last = [x for x in logged if "eval_loss" in x][-1]
     assert np.isfinite(last["lat_mse_sst_1"]) and np.isfinite(last["persistence_lat_mse_t2m_1"])
+    # each evaluation during training says what it scored: data.eval_batches whole batches
+    assert (last["windows_scored"], last["windows_in_split"]) == (BATCH * EVAL_BATCHES, 363)
+    assert (last["windows_from"], last["windows_to"]) == ("2001-01-01T00:00", "2001-01-18T00:00")
 
 
 @pytest.mark.slow
@@ -120,21 +148,21 @@ def test_spmd_eval_reports_lat_weighted_rmse_against_persistence(flagship):
             "persistence_lat_rmse_t2m_2"} <= set(keys)
     assert any("geopotential" in k for k in keys) and not any("lat_mse" in k for k in metrics)
 
-    # persistence from the files alone: the first BATCH * EVAL_BATCHES windows of 2001
+    # every window of the test year once: 363 daily windows of 3 steps, in batches of 8
+    report = eval_report(flagship)
+    n = 363
+    assert (report["windows_scored"], report["windows_in_split"]) == (n, n)
+    assert (report["windows_from"], report["windows_to"]) == ("2001-01-01T00:00",
+                                                              "2001-12-31T00:00")
+    # persistence from the files alone, over all those windows
     ds = xr.open_dataset(flagship["data"] / "era5_2001.nc")
-    t2m = ds["t2m"].values.astype(np.float64)
-    w = np.cos(np.deg2rad(ds["latitude"].values))
-    w = (w / w.mean())[None, :, None]
-    n = BATCH * EVAL_BATCHES
+    t2m, w = ds["t2m"].values.astype(np.float64), lat_weights(ds)
     for lead in (1, 2):
         err = (t2m[lead:n + lead] - t2m[:n]) ** 2
         want = np.sqrt((err * w).mean(axis=(1, 2)).mean())
         assert metrics[f"persistence_lat_rmse_t2m_{lead}"] == pytest.approx(want, rel=1e-4)
 
-    last = [x for x in records(flagship["run"]) if "lat_mse_t2m_1" in x][-1]
     for lead in (1, 2):
-        assert metrics[f"lat_rmse_t2m_{lead}"] == pytest.approx(
-            np.sqrt(last[f"lat_mse_t2m_{lead}"]), rel=1e-4)
         assert np.isfinite(metrics[f"lat_rmse_t2m_{lead}"])
         assert np.isfinite(metrics[f"lat_rmse_sst_{lead}"])      # land left out, not NaN
         for channel in ("t2m", "sst", "geopotential_850"):       # ACC vs the train climatology
@@ -163,3 +191,18 @@ def test_gridded_names_are_exported_where_users_look():
     assert "GriddedTrajectoryTask" in spmd.__all__ and "GriddedWindowSource" in spmd.data.__all__
     assert issubclass(WeatherFNO, spmd.GriddedTrajectoryTask)
     assert "spmd.tasks.weather_fno:WeatherFNO" in FLAGSHIP.read_text()
+
+
+@pytest.mark.slow
+def test_eval_on_other_files_keeps_the_runs_statistics_and_scores_what_it_is_told(flagship):
+    report = eval_report(flagship, "eval_other")
+    assert (report["windows_scored"], report["windows_in_split"]) == (BATCH * 2, 363)
+    copy = flagship["run"] / "normalization.json"
+    assert (copy.read_bytes(), copy.stat().st_mtime_ns) == flagship["normalization"]
+    ds = xr.open_dataset(flagship["other"] / "era5_2001.nc")
+    t2m, w, n = ds["t2m"].values.astype(np.float64), lat_weights(ds), BATCH * 2
+    for lead in (1, 2):                      # the other files' values, not the run's data
+        err = (t2m[lead:n + lead] - t2m[:n]) ** 2
+        want = np.sqrt((err * w).mean(axis=(1, 2)).mean())
+        assert report["metrics"][f"persistence_lat_rmse_t2m_{lead}"] == pytest.approx(
+            want, rel=1e-4)
