@@ -122,6 +122,9 @@ def scan_file(path: Path, where: str) -> FileAxes:
 
 
 def _scan(path: Path, where: str) -> FileAxes:
+    if not Path(path).exists():
+        raise ArrayDataError(f"{where}: file {path} does not exist (moved or deleted since "
+                             f"it was indexed?)")
     fmt = detect_format(path)
     why = unreadable_netcdf3(path) if fmt == "netcdf3" else None
     if why is not None:
@@ -362,9 +365,9 @@ def _check_variables(files: list[FileAxes], channels: list[Channel], constants: 
             continue
         var = first.variables.get(name)
         if var is None or set(var.dims) != {first.dims["lat"], first.dims["lon"]}:
-            got = "missing" if var is None else f"has dims {list(var.dims)}"
+            got = "is missing" if var is None else f"has dims {list(var.dims)}"
             raise ArrayDataError(f"{where}: file {first.path}: constant '{name}' "
-                                 f"(data.constants) is {got}; a constant is a variable of "
+                                 f"(data.constants) {got}; a constant is a variable of "
                                  f"latitude and longitude only, or latitude / longitude")
 
 

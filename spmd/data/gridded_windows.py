@@ -283,6 +283,28 @@ class GriddedWindowSource(ArraySource):
                       for t in self.time_range)
         return f"{start or 'start'} .. {end or 'end'}"
 
+    def nan_text(self) -> str:
+        """What is known of NaN in this split without reading it: the missing values per
+        channel in the stored statistics of this split (`spmd data stats`), or that none
+        were scanned (`spmd data info`)."""
+        import json
+
+        from spmd.data.normalization import statistics_file
+
+        try:
+            target = statistics_file(self.path, self.where)
+            entry = json.loads(target.read_text())["datasets"][self.statistics_key()]
+            missing = {c.name: int(m) for c, m in zip(self.channels, entry["missing"]) if m}
+        except (OSError, ValueError, KeyError, TypeError, ArrayDataError):
+            return (f"data.nan: {self.nan}; NaN not scanned (`spmd data stats CONFIG` counts "
+                    f"each channel's missing values of the train split)")
+        if not missing:
+            return f"data.nan: {self.nan}; no NaN in this split's statistics ({target})"
+        counts = ", ".join(f"{name} {n}" for name, n in missing.items())
+        hint = ("; data.nan: error stops at the first window holding one: set data.nan to "
+                "mask or fill" if self.nan == "error" else "")
+        return f"data.nan: {self.nan}; NaN in this split's statistics ({target}): {counts}{hint}"
+
     def covered_text(self) -> str:
         """What the split holds: the first window's first time .. the last window's last
         time (the data's own times, within `data.splits`: an end written as a date is its
@@ -311,7 +333,7 @@ class GriddedWindowSource(ArraySource):
             units = {n: v.units for n, v in f.variables.items()}
         return (f"{self.where}: {tl.describe()}\nsplit {self.split} ({self.covered_text()}): "
                 f"{self.count} windows of {self.span} steps, stride "
-                f"{self.stride}; data.nan: {self.nan}\n"
+                f"{self.stride}; {self.nan_text()}\n"
                 f"{channel_table(self.channels, self.constants, units)}"
                 + "".join(f"\nwarning: {w}" for w in self.layout_warnings()))
 

@@ -494,6 +494,24 @@ def test_an_end_written_as_a_date_is_its_whole_day_as_in_xarray(tmp_path):
         check_splits({"train": {"end": "2000-03-24"}, "test": {"start": "2000-03-24T12:00"}})
 
 
+def test_data_info_says_what_it_knows_of_nan(tmp_path):
+    """`spmd data info` (the source's describe) does not read every frame: it says so, and
+    once `spmd data stats` stored the split's statistics, it names the channels with missing
+    values and what data.nan: error will do with them (issue 49)."""
+    from spmd.data.normalization import data_fingerprint, write_statistics
+
+    write_era5_years(tmp_path / "sst", (2000,), zlib_year=None, sst=True)
+    src = source(tmp_path / "sst", ["t2m", "sst"], nan="error", time_range=(None, None))
+    assert "data.nan: error; NaN not scanned (`spmd data stats CONFIG`" in src.describe()
+    write_statistics(src.path, src.statistics_part(), split="train",
+                     fingerprint=data_fingerprint(src.path, src.where), where=src.where,
+                     channel_names={src.statistics_key(): ["t2m", "sst"]})
+    text = src.describe()
+    over_land = 366 * int(land(*grid()).sum())
+    assert "NaN in this split's statistics" in text and f": sst {over_land};" in text, text
+    assert "set data.nan to mask or fill" in text
+
+
 def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
     from spmd.config.schema import Config, TrainConfig
     from spmd.data.windows import WindowSource
@@ -578,3 +596,12 @@ def test_stored_array_windows_refuse_level_as_time(files):
     assert "'geopotential'" in msg and "read 'level' as the trajectory or time" in msg
     plain = windows(files["root"] / "nc", "t2m", (6, 12, 1))   # a plain variable: as before,
     assert plain.count == 1096 - 3                              # no window across files
+
+
+def test_a_missing_file_is_named_missing_not_truncated(tmp_path):
+    from spmd.data.gridded_timeline import scan_file
+
+    with pytest.raises(ArrayDataError) as e:
+        scan_file(tmp_path / "absent.nc", "data.path")
+    assert "absent.nc does not exist (moved or deleted" in str(e.value)
+    assert "truncated" not in str(e.value)
