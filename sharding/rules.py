@@ -26,12 +26,7 @@ RuleValue = str | list[str] | tuple[str, ...] | None
 
 def normalize_rule(logical: str, value: RuleValue) -> MeshAxes:
     """`None` -> (), `"fsdp"` -> ("fsdp",), lists -> tuples; unknown mesh axes are errors."""
-    if value is None:
-        axes: MeshAxes = ()
-    elif isinstance(value, str):
-        axes = (value,)
-    else:
-        axes = tuple(value)
+    axes: MeshAxes = _mesh_axes_of(value)
     for axis in axes:
         if axis not in MESH_AXES:
             raise ShardingError(

@@ -51,7 +51,7 @@ from spmd.data.batch import BatchField
 from spmd.data.cf_decode import decode
 from spmd.data.channels import Channel, channel_table, parse_channels
 from spmd.data.gridded_reads import GriddedReader
-from spmd.data.gridded_timeline import FileAxes, Timeline, build_timeline
+from spmd.data.gridded_timeline import Timeline, build_timeline
 from spmd.data.normalization import Moments
 from spmd.data.stores import ArrayDataError
 from spmd.data.time_splits import split_range
@@ -609,8 +609,3 @@ class GriddedWindowSource(ArraySource):
                   "_cache_lock", "_offsets_list", "_block_nan", "_reader"):
             state.pop(k, None)
         return state
-
-
-def file_axes(source: GriddedWindowSource) -> list[FileAxes]:
-    """The files of a source in time order (for tools and tests)."""
-    return source.timeline.files
