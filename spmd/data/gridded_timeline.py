@@ -216,15 +216,58 @@ class Timeline:
         return out
 
     def describe(self) -> str:
-        hours = self.step / np.timedelta64(1, "h")
         text = (f"{len(self.files)} file(s), {len(self.times)} times "
-                f"{_fmt_time(self.times[0])} .. {_fmt_time(self.times[-1])} every {hours:g} h, "
+                f"{_fmt_time(self.times[0])} .. {_fmt_time(self.times[-1])} every "
+                f"{step_text(self.step)}, "
                 f"grid {len(self.lat)} x {len(self.lon)} (latitude {self.lat[0]:g} .. "
                 f"{self.lat[-1]:g})")
         if self.gaps:
             text += f", {len(self.gaps)} gap(s): " + "; ".join(
                 f"{b} -> {a} ({Path(f).name})" for f, b, a in self.gaps[:4])
         return text
+
+
+CALENDAR_UNITS = {"M": "month", "Y": "year"}       # steps counted in the calendar's units
+MEAN_HOURS = {"M": 365.2425 * 24 / 12, "Y": 365.2425 * 24}
+
+
+def step_text(step: np.timedelta64) -> str:
+    """'6 h', '1 month', '1 year'."""
+    unit = np.datetime_data(step.dtype)[0]
+    if unit in CALENDAR_UNITS:
+        return f"{int(step.astype(int))} {CALENDAR_UNITS[unit]}"
+    return f"{step / np.timedelta64(1, 'h'):g} h"
+
+
+def step_hours(step: np.timedelta64) -> float:
+    """Hours of one step (a calendar month or year: its mean length)."""
+    unit = np.datetime_data(step.dtype)[0]
+    if unit in CALENDAR_UNITS:
+        return MEAN_HOURS[unit] * int(step.astype(int))
+    return float(step / np.timedelta64(1, "h"))
+
+
+def _in_units(times: np.ndarray, step: np.timedelta64) -> np.ndarray:
+    """`times` in the step's units: calendar months or years, else as they are."""
+    unit = np.datetime_data(step.dtype)[0]
+    return times.astype(f"datetime64[{unit}]") if unit in CALENDAR_UNITS else times
+
+
+def _calendar_step(diffs: np.ndarray, times: list[np.ndarray]) -> np.timedelta64 | None:
+    """One calendar month or year, where the data are monthly or yearly: steps of 28 days or
+    more whose most common length in calendar months (or years) is 1, as pandas'
+    `infer_freq` sees MS / M / YS series (a month's mean stamped on its first, middle or
+    last day alike). None otherwise."""
+    if np.median(diffs) < np.timedelta64(28, "D"):
+        return None
+    for unit in ("M", "Y"):
+        stepped = np.diff(np.concatenate(times).astype(f"datetime64[{unit}]"))
+        stepped = stepped[stepped > np.timedelta64(0, unit)]
+        if len(stepped):
+            values, counts = np.unique(stepped, return_counts=True)
+            if values[int(np.argmax(counts))] == np.timedelta64(1, unit):
+                return np.timedelta64(1, unit)
+    return None
 
 
 def _common_step(files: list[FileAxes], where: str) -> np.timedelta64:
@@ -235,30 +278,42 @@ def _common_step(files: list[FileAxes], where: str) -> np.timedelta64:
     if not len(diffs):
         raise ArrayDataError(f"{where}: every file holds a single time; the time step is "
                              f"unknown (variable 'time' of {files[0].path})")
+    calendar = _calendar_step(diffs, [f.times for f in files])
+    if calendar is not None:
+        return calendar
     values, counts = np.unique(diffs, return_counts=True)
     return values[int(np.argmax(counts))]
 
 
 def _check_times(files: list[FileAxes], step: np.timedelta64, gaps_key: str, gaps: str,
                  where: str) -> tuple[list[tuple[int, int]], list[tuple[str, str, str]]]:
-    """Monotonic, regular times; the segments between allowed gaps."""
+    """Monotonic, regular times (in calendar months or years for monthly or yearly data);
+    the segments between allowed gaps."""
     cuts, found = [], []
     offset = 0
+    zero = np.timedelta64(0, np.datetime_data(step.dtype)[0])
     for k, f in enumerate(files):
         t = f.times
         name = f.dims["time"]
-        d = np.diff(t)
-        bad = np.flatnonzero(d <= np.timedelta64(0, "ns"))
+        bad = np.flatnonzero(np.diff(t) <= np.timedelta64(0, "ns"))
         if len(bad):
             i = int(bad[0]) + 1
             raise ArrayDataError(f"{where}: file {f.path}: variable '{name}' does not increase: "
                                  f"{name}[{i}]={_fmt_time(t[i])} follows "
                                  f"{_fmt_time(t[i - 1])}; sort or deduplicate the file")
+        tu = _in_units(t, step)
+        d = np.diff(tu)
+        same = np.flatnonzero(d <= zero)
+        if len(same):
+            i = int(same[0]) + 1
+            raise ArrayDataError(f"{where}: file {f.path}: variable '{name}' holds two times "
+                                 f"in one {step_text(step).split()[-1]}: {name}[{i}]="
+                                 f"{_fmt_time(t[i])} and {_fmt_time(t[i - 1])}")
         prev = None if k == 0 else files[k - 1]
         jumps = [(int(i) + 1, t[i], t[i + 1]) for i in np.flatnonzero(d != step)]
         if prev is not None:
-            gap = t[0] - prev.times[-1]
-            if gap <= np.timedelta64(0, "ns"):
+            gap = tu[0] - _in_units(prev.times[-1:], step)[0]
+            if t[0] - prev.times[-1] <= np.timedelta64(0, "ns") or gap <= zero:
                 raise ArrayDataError(
                     f"{where}: file {f.path}: variable '{name}' starts at "
                     f"{_fmt_time(t[0])}, not after the end {_fmt_time(prev.times[-1])} of "
@@ -266,18 +321,19 @@ def _check_times(files: list[FileAxes], step: np.timedelta64, gaps_key: str, gap
             if gap != step:
                 jumps.insert(0, (0, prev.times[-1], t[0]))
         for i, before, after in jumps:
-            hours = step / np.timedelta64(1, "h")
-            if (after - before) % step:
+            apart = _in_units(np.array([after]), step)[0] - _in_units(np.array([before]), step)[0]
+            if apart % step:
                 raise ArrayDataError(
                     f"{where}: file {f.path}: variable '{name}' steps irregularly at "
                     f"{name}[{i}]={_fmt_time(after)} ({(after - before) / np.timedelta64(1, 'h'):g}"
-                    f" h after {_fmt_time(before)}; the data's step is {hours:g} h)")
+                    f" h after {_fmt_time(before)}; the data's step is {step_text(step)})")
             found.append((str(f.path), _fmt_time(before), _fmt_time(after)))
             if gaps != "allow":
                 raise ArrayDataError(
                     f"{where}: file {f.path}: variable '{name}' has a gap at {name}[{i}]="
-                    f"{_fmt_time(after)} (previous time {_fmt_time(before)}, step {hours:g} "
-                    f"h); set {gaps_key}: allow to train with windows that never span it")
+                    f"{_fmt_time(after)} (previous time {_fmt_time(before)}, step "
+                    f"{step_text(step)}); set {gaps_key}: allow to train with windows that "
+                    f"never span it")
             cuts.append(offset + i)
         offset += len(t)
     bounds = [0, *cuts, offset]

@@ -49,7 +49,7 @@ import numpy as np
 from spmd.data.batch import BatchField
 from spmd.data.channels import parse_channels
 from spmd.data.file_index import load_index
-from spmd.data.gridded_timeline import Timeline, build_timeline
+from spmd.data.gridded_timeline import Timeline, build_timeline, step_hours
 from spmd.data.gridded_windows import GriddedWindowSource
 from spmd.data.normalization import data_fingerprint, load_statistics, write_statistics
 from spmd.data.stores import ArrayDataError
@@ -103,7 +103,7 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
 
     def dt(self) -> float:
         """Hours between two frames (one model step)."""
-        return float(self.grid().step / np.timedelta64(1, "h"))
+        return step_hours(self.grid().step)
 
     def frame_shape(self) -> tuple[int, ...]:
         g = self.grid()

@@ -605,3 +605,60 @@ def test_a_missing_file_is_named_missing_not_truncated(tmp_path):
         scan_file(tmp_path / "absent.nc", "data.path")
     assert "absent.nc does not exist (moved or deleted" in str(e.value)
     assert "truncated" not in str(e.value)
+
+
+# ------------------------------------------------- monthly and yearly means (issue 49, item 6)
+
+
+def monthly_sst(path, months: np.ndarray, stamp: str = "middle") -> None:
+    """Monthly mean sea-surface temperature as CMIP and ERSST write it, by xarray: stamped at
+    each month's middle (or first day), float32, land as _FillValue."""
+    lat, lon = grid()
+    starts = months.astype("datetime64[M]")
+    if stamp == "middle":
+        ends = starts + np.timedelta64(1, "M")
+        times = (starts.astype("datetime64[s]")
+                 + (ends.astype("datetime64[s]") - starts.astype("datetime64[s]")) // 2)
+    else:
+        times = starts.astype("datetime64[s]")
+    rng = np.random.default_rng(len(months))
+    sst = (290 + rng.standard_normal((len(times), len(lat), len(lon)))).astype(np.float32)
+    sst[:, land(lat, lon)] = np.nan
+    ds = xr.Dataset({"sst": (("time", "lat", "lon"), sst, {"units": "K"})},
+                    coords={"time": times, "lat": lat, "lon": lon})
+    ds.to_netcdf(path, encoding={"sst": {"_FillValue": 1e20},
+                                 "time": {"units": "hours since 1850-01-01"}})
+
+
+@pytest.mark.parametrize("stamp", ["middle", "first"])
+def test_monthly_means_are_regular_in_calendar_months(tmp_path, stamp):
+    months = np.arange("1990-01", "1993-01", dtype="datetime64[M]")
+    monthly_sst(tmp_path / "sst_mon.nc", months, stamp)
+    src = source(tmp_path / "sst_mon.nc", ["sst"], nan="mask", mask=True,
+                 time_range=(None, None))
+    assert src.count == 36 - 1                              # windows of 2 months
+    assert "36 times" in src.describe() and "every 1 month" in src.describe()
+    with xr.open_dataset(tmp_path / "sst_mon.nc") as ds:
+        want = ds["sst"].values                             # NaN over land, as xarray reads
+    rows = src.rows(0, 0, 4)
+    np.testing.assert_array_equal(np.isnan(want[1]), rows["mask"][1, ..., 0] == 0)
+    sea = ~land(*grid())
+    np.testing.assert_allclose(rows["target"][1, ..., 0][sea], want[2][sea])
+
+
+def test_a_missing_month_is_a_gap_and_yearly_means_step_in_years(tmp_path):
+    months = np.arange("1990-01", "1992-01", dtype="datetime64[M]")
+    monthly_sst(tmp_path / "gap.nc", np.delete(months, 7))            # no August 1990
+    with pytest.raises(ArrayDataError) as e:
+        source(tmp_path / "gap.nc", ["sst"], nan="mask", mask=True,
+               time_range=(None, None)).check()
+    assert "has a gap at time[7]=1990-09-16T00:00 (previous time 1990-07-16T12:00, step 1 " \
+           "month)" in str(e.value)
+    allowed = source(tmp_path / "gap.nc", ["sst"], nan="mask", mask=True,
+                     time_range=(None, None), time_gaps="allow")
+    assert allowed.count == (7 - 1) + (16 - 1)                        # no window spans it
+    years = np.arange("1950", "1980", dtype="datetime64[Y]").astype("datetime64[M]")
+    monthly_sst(tmp_path / "annual.nc", years, "first")
+    src = source(tmp_path / "annual.nc", ["sst"], nan="mask", mask=True,
+                 time_range=(None, None))
+    assert src.count == 30 - 1 and "every 1 year" in src.describe()
