@@ -5,7 +5,7 @@
     priority, reason = watcher.request()                    # what this rank alone has seen
 
 Owns what one rank sees of the job, and the `launch:` section (`launch_config`); may import
-nothing of the project but `spmd.errors`.
+nothing of the project but `spmd.errors` and `spmd.atomic_write`.
 Making every rank agree on a stop at one step is `spmd.comm.StopVote`, a layer up.
 """
 

@@ -15,7 +15,8 @@ Invariants:
   ended is acted on.
 - The rank inherits every file descriptor and the environment; the shim then closes its own
   copy of Hydra's PMI socket (PMI_FD), whose lifetime must be the rank's.
-- It imports nothing heavy: run by its file path, it loads no jax, numpy or spmd.
+- It imports nothing heavy: run by its file path, it loads no jax or numpy, and of spmd only
+  the root's lazy `__init__` and spmd.atomic_write (the standard library only).
 - Under `spmd run` (SPMD_RUN_TMPDIR set), it leaves the rank's exit status in that folder
   (`status-<shim pid>`), so that `spmd run` decides the job's status from the ranks' own
   statuses, not from what the MPI launcher makes of them (Hydra ORs them together).
@@ -28,6 +29,8 @@ import signal
 import subprocess
 import sys
 
+from spmd.atomic_write import write_atomic
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT, signal.SIGTSTP)
 WATCHED = {*FORWARDED, signal.SIGCHLD}  # blocked in the shim, taken one at a time by sigwait
@@ -39,11 +42,8 @@ def report_status(status: int) -> None:
     folder = os.environ.get(RUN_TMPDIR_VAR, "")
     if not folder:
         return
-    path = os.path.join(folder, f"status-{os.getpid()}")
     try:
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{status}\n")
-        os.replace(path + ".tmp", path)
+        write_atomic(os.path.join(folder, f"status-{os.getpid()}"), f"{status}\n", durable=False)
     except OSError:
         pass  # `spmd run` then decides from the launcher's status
 

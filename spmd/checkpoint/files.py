@@ -21,6 +21,8 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from spmd.atomic_write import fsync_dir as fsync_dir  # re-exported for the tiers
+from spmd.atomic_write import write_atomic
 from spmd.checkpoint.interface import CheckpointError
 
 READ_CHUNK = 16 << 20
@@ -114,41 +116,15 @@ def crc32_file(path: Path, offset: int = 0, nbytes: int | None = None,
     return value, total
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or new entry in `path` durable (no-op where directories can't be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Write `data` to `path` via a temporary sibling, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(path.parent)
-
-
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
 def write_json_atomic(path: Path, obj: Any, *, fsync: bool = True) -> int:
-    """Write `obj` as JSON atomically; returns the crc32 of the bytes written."""
+    """Write `obj` as JSON atomically (spmd.atomic_write; `fsync`: durable, the file before the
+    rename and its directory after it); returns the crc32 of the bytes written."""
     data = dumps(obj)
-    write_atomic(path, data, fsync=fsync)
+    write_atomic(path, data, durable=fsync)
     return crc32(data)
 
 

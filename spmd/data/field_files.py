@@ -27,6 +27,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from spmd.atomic_write import atomic_path
 from spmd.errors import SpmdError
 
 log = logging.getLogger("spmd.data")
@@ -102,7 +103,6 @@ def write_fields(path: Path, sample_fn: SampleFn, grid: int, counts: dict[str, i
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     total, done = sum(counts.values()), 0
     jobs = [(sample_fn, *c) for sid, split in enumerate(SPLITS)
             for c in _chunks(sid, counts[split], 16)]
@@ -111,7 +111,7 @@ def write_fields(path: Path, sample_fn: SampleFn, grid: int, counts: dict[str, i
         pool = ThreadPoolExecutor(workers) if in_threads else ProcessPoolExecutor(workers)
     try:
         results = pool.map(_solve_chunk, jobs) if pool else map(_solve_chunk, jobs)
-        with h5py.File(tmp, "w") as f:
+        with atomic_path(path, durable=True) as tmp, h5py.File(tmp, "w") as f:
             f.attrs.update({"format": FORMAT, "version": VERSION, "grid": grid,
                             "in_channels": 1, "out_channels": 1,
                             **{f"num_{s}": counts[s] for s in SPLITS}, **attrs})
@@ -137,12 +137,6 @@ def write_fields(path: Path, sample_fn: SampleFn, grid: int, counts: dict[str, i
                 mean = s1 / n
                 f["train"].attrs[f"{name}_mean"] = mean
                 f["train"].attrs[f"{name}_std"] = np.sqrt(max(s2 / n - mean * mean, 0.0))
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spmd.atomic_write import write_atomic
 from spmd.data.stores import (
     ZARR_METADATA,
     ArrayDataError,
@@ -256,12 +257,9 @@ def build_index(path: str | Path, members: list[Path], base: Path, cache: Path,
         built.append(Member(p, name, store.format, datasets, stamp))
     doc = {"version": INDEX_VERSION, "pattern": str(path), "members": entries,
            "built": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname()}
-    tmp = cache.with_name(f"{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, cache)
+        write_atomic(cache, json.dumps(doc, indent=1), durable=False)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.warning("%s: cannot write the index %s (%s): kept in memory only", where, cache, e)
     log.info("%s: indexed %d files in %.1fs (%s)", where, len(members),
              time.perf_counter() - began, cache)

@@ -28,17 +28,16 @@ Invariants:
   JSON-able dicts; floats round-trip exactly through `json`.
 - The statistics are stored beside the data (`statistics_file`): `P.stats.json` next to a
   store `P`, `<dir>/stats.json` in a directory of stores, `stats-<hash>.json` next to a
-  glob's index; written atomically (a temporary name, then os.replace). The file holds each
-  dataset's split and rows and the data's fingerprint (every member's size and mtime), so
-  `load_statistics` refuses statistics of data changed since; every error names the file
-  and the command that computes them, `spmd data stats CONFIG`.
+  glob's index; written atomically (spmd.atomic_write: a temporary name, then os.replace).
+  The file holds each dataset's split and rows and the data's fingerprint (every member's
+  size and mtime), so `load_statistics` refuses statistics of data changed since; every
+  error names the file and the command that computes them, `spmd data stats CONFIG`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.atomic_write import write_atomic
 from spmd.data.cf_decode import decode, stored_coding
 from spmd.data.file_index import check_unchanged, has_magic, load_index, resolve
 from spmd.data.stores import ArrayDataError, Store, fingerprint
@@ -374,12 +374,9 @@ def write_statistics(path: str | Path, stats: Mapping[str, Any], *, split: str,
     doc = {"version": STATS_VERSION, "data": str(path), "fingerprint": stamp,
            "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
            "datasets": dict(sorted(datasets.items()))}
-    tmp = target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, target)
+        write_atomic(target, json.dumps(doc, indent=1) + "\n", durable=False)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ArrayDataError(f"{where}: cannot write the statistics file {target} ({e}); "
                              f"make its directory writable and rerun `{COMMAND}`") from None
     return target

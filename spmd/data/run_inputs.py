@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from spmd.atomic_write import write_atomic
 from spmd.data.file_index import _rel, content_stamp, data_exists, resolve
 from spmd.data.stores import ArrayDataError
 
@@ -119,11 +119,8 @@ def _read(record: Path) -> dict | None:
 
 
 def _write(record: Path, doc: dict) -> None:
-    tmp = record.with_name(f"{record.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, record)
+        write_atomic(record, json.dumps(doc, indent=1), durable=False)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.warning("cannot record the data's fingerprint in %s (%s): a later job cannot "
                     "tell whether the data changed", record, e)

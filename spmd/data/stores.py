@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 import threading
 import warnings
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from spmd.atomic_write import atomic_path
 from spmd.data.netcdf3 import NetCDF3File, netcdf3_kind, unreadable_netcdf3
 from spmd.errors import SpmdError
 
@@ -356,12 +356,11 @@ def write_arrays(path: Path, arrays: Mapping[str, np.ndarray],
     if format not in FORMATS:
         raise ValueError(f"write_arrays: format {format!r} is not one of {list(FORMATS)}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
     def chunk_of(name: str, value: np.ndarray) -> tuple[int, ...]:
         return tuple((chunks or {}).get(name, (1, *value.shape[1:])))
 
-    try:
+    with atomic_path(path, durable=False) as tmp:   # a file or a directory
         if format == "npy":
             tmp.mkdir()
             for name, value in arrays.items():
@@ -398,13 +397,6 @@ def write_arrays(path: Path, arrays: Mapping[str, np.ndarray],
                                           chunks=chunk_of(name, value),
                                           shards=tuple(shard) if shard else None)
                 array[...] = value
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
-        raise
     return path
 
 

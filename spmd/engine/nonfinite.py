@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +30,8 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import optax
+
+from spmd.atomic_write import write_atomic
 
 __all__ = ["FORMS_FILE", "form_of", "nonfinite_restore_target", "nonfinite_switched",
            "record_form", "restore_any_form", "saved_form"]
@@ -131,10 +132,8 @@ def record_form(run_dir: Path, start: int, mode: str) -> None:
     `start` go: the steps they saved are gone with this restore of an older one."""
     entries = [[s, m] for s, m in _forms(run_dir) if s < start] + [[int(start), mode]]
     path = Path(run_dir) / FORMS_FILE
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(entries) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(entries) + "\n", durable=False)
     except OSError as e:   # the restore then guesses from config.yaml, and retries
         log.warning("could not record the train.nonfinite form of this job's steps in %s: %s",
                     path, e)

@@ -5,8 +5,9 @@ Invariants
   records of steps after S (logged by the incarnation that died, and about to be logged
   again) to the sibling metrics.replayed.jsonl (`drop_records_after`), so nothing is lost
   and a reader sees every step once. Readers still let the last record of a step win.
-- metrics.jsonl is only ever appended to, or replaced whole (`os.replace`), never rewritten
-  in place: a kill at any moment leaves either the old or the new file.
+- metrics.jsonl is only ever appended to, or replaced whole (`os.replace` of a fsynced
+  temporary sibling, spmd.atomic_write), never rewritten in place: a kill at any moment
+  leaves either the old or the new file.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spmd.atomic_write import write_atomic
 from spmd.rundir.console import (
     ConsoleFilter,
     ConsoleFormatter,
@@ -161,20 +163,7 @@ def drop_records_after(path: Path, step: int) -> int:
         f.write("".join(line + "\n" for line in moved))
         f.flush()
         os.fsync(f.fileno())
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(line + "\n" for line in keep))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass  # a file system that cannot fsync directories: the rename is still atomic
+    write_atomic(path, "".join(line + "\n" for line in keep), durable=True)
     return len(moved)
 
 

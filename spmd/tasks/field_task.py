@@ -29,7 +29,6 @@ from __future__ import annotations
 import abc
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.atomic_write import write_atomic
 from spmd.data.arrays import ArrayDataError, ArraySource, write_arrays
 from spmd.data.batch import BatchField
 from spmd.data.file_index import data_exists
@@ -280,9 +280,7 @@ def keep_normalization(path: Path, norm: dict[str, tuple[np.ndarray, np.ndarray]
         if path.is_file() and path.read_text() == text:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text, durable=False)
     except OSError as e:
         log.warning("cannot keep the normalization in %s (%s): loading this run without "
                     "its data will need the data's statistics", path, e)
