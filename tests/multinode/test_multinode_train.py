@@ -341,7 +341,9 @@ def _killed_nodes_recover(cluster: NetnsCluster, uninterrupted: Path,
     assert "partner" in " ".join(e.get("detail", "") for e in first), first
     assert len(after) == 6 and {(e["step"], e["source"]) for e in after} == {
         (PERSISTENT_EVERY, "persistent")}, after
-    # the first resumed step within 60 s of the first kill
+    # the first resumed step soon after the first kill: a bound against a stall, not a speed
+    # target (benchmarks/recovery_bench.py measures that, docs/recovery.md): an idle 2-core
+    # machine takes 37-54 s, a loaded one over 60 (62 s seen in CI with the load at 5)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in metrics if "loss" in r]
     try0 = [r for r in steps if float(r["time"]) < killed_at]
@@ -349,7 +351,7 @@ def _killed_nodes_recover(cluster: NetnsCluster, uninterrupted: Path,
     try2 = [r for r in steps if float(r["time"]) > shrunk_at]
     assert try1 and try1[0]["step"] == EVERY + 1, try1
     first_s = float(try1[0]["time"]) - killed_at
-    assert first_s < 60, f"first resumed step {first_s:.1f} s after the kill\n{describe()}"
+    assert first_s < 150, f"first resumed step {first_s:.1f} s after the kill\n{describe()}"
     # on the spare: bit-identical to the uninterrupted run; shrunk: equal to float rounding
     want = losses(uninterrupted)
     assert {r["step"]: r["loss"] for r in try1} == {r["step"]: want[r["step"]] for r in try1}
