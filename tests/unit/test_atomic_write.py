@@ -74,22 +74,6 @@ def test_a_failed_fsync_or_rename_leaves_the_old_file_and_no_temporary(tmp_path,
     assert path.read_text() == "old\n" and names(tmp_path) == ["metrics.jsonl"]
 
 
-@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
-                    reason="root writes into a read-only directory")
-def test_a_read_only_directory_keeps_the_old_file(tmp_path):
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    (folder / "index.json").write_text("old")
-    folder.chmod(0o555)
-    try:
-        with pytest.raises(PermissionError):
-            write_atomic(folder / "index.json", "new", durable=False)
-        assert (folder / "index.json").read_text() == "old"
-        assert names(folder) == ["index.json"]
-    finally:
-        folder.chmod(0o755)
-
-
 def test_a_leftover_temporary_of_the_same_name_is_replaced(tmp_path):
     """A killed writer whose host, pid and thread id came back left its temporary: a file or
     a directory (a Zarr or .npy store)."""
