@@ -51,7 +51,8 @@ def as_time(value: Any, key: str, end: bool = False) -> np.datetime64 | None:
     try:
         written = np.datetime64(text)                  # in the unit the text is written in
         if end:
-            return (written + 1).astype("datetime64[ns]") - np.timedelta64(1, "ns")
+            period = np.timedelta64(1, np.datetime_data(written.dtype)[0])
+            return (written + period).astype("datetime64[ns]") - np.timedelta64(1, "ns")
         return written.astype("datetime64[ns]")
     except ValueError:
         raise ArrayDataError(f"{key}={value!r}: not a date or time; write e.g. 2002-01-01 or "
