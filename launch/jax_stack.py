@@ -79,13 +79,6 @@ class JaxStack:
         return {"python": self.python, "versions": dict(self.versions),
                 "plugins": dict(self.plugins), "warnings": list(self.warnings)}
 
-    def line(self) -> str:
-        """One line for a log or a console: 'jax 0.12.0.1, jaxlib 0.12.0.1, ...'."""
-        parts = [f"python {self.python}"]
-        parts += [f"{name} {v}" for name, v in self.versions.items() if v is not None]
-        parts += [f"{name} {v}" for name, v in self.plugins.items()]
-        return ", ".join(parts)
-
 
 @functools.cache
 def host_copy_blocks_donation() -> bool:

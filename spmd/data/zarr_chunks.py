@@ -6,7 +6,7 @@ each chunk through its asyncio codec pipeline: 0.5-1 ms per 16 KiB chunk on the 
 development machine, where reading the chunk file and decoding it with the same numcodecs
 codec costs about 0.1 ms. A Zarr array written with one record per chunk (as
 `spmd.data.write_arrays` writes it) keeps record `r` in the chunk file named by its chunk
-key encoding for chunk `(r, 0, ..., 0)`; `ChunkRecords.of` checks once that the array is of
+key encoding for chunk `(r, 0, ..., 0)`; `ChunkRecords.find` checks once that the array is of
 that kind and `read` reads records straight into the caller's batch buffer. Chunk files of
 a cold batch are announced to the kernel together (`posix_fadvise(WILLNEED)`), so that they
 are fetched concurrently.
@@ -73,15 +73,10 @@ class ChunkRecords:
         return self.directory / self.chunk_key((row,) + (0,) * (self.ndim - 1))
 
     @classmethod
-    def of(cls, array: Any) -> ChunkRecords | None:
-        """The reader of a zarr Array, checked against zarr itself; None where its records
-        cannot be read straight from chunk files (`find` says why)."""
-        return cls.find(array)[0]
-
-    @classmethod
     def find(cls, array: Any) -> tuple[ChunkRecords | None, str]:
-        """(the reader, or None; why): "direct chunk reads (...)" or what keeps this array
-        from them, in words for `spmd data info`."""
+        """The reader of a zarr Array, checked against zarr itself, or None where its records
+        cannot be read straight from chunk files; and why: "direct chunk reads (...)" or what
+        keeps this array from them, in words for `spmd data info`."""
         try:
             found = cls._find(array)
             if isinstance(found, str):
