@@ -1,7 +1,8 @@
-"""`spmd predict PATH --input FILE --output OUT [--format hdf5|zarr] [--rollout N] [...]`: a
+"""`spmd predict PATH --input FILE --output OUT [--format hdf5|zarr|netcdf] [--rollout N]`: a
 run's model over every example of a data file, written to HDF5 or, for an OUT ending in
-.zarr (or --format zarr), a Zarr v3 store (spmd.inference.prediction); one process, or every
-rank under `spmd run -n N --entry predict PATH -- --input ...`."""
+.zarr (or --format zarr), a Zarr v3 store, or, for a run on gridded files and an OUT ending
+in .nc, a NetCDF forecast with its coordinates (spmd.inference.prediction); one process, or
+every rank under `spmd run -n N --entry predict PATH -- --input ...`."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="data file (HDF5, NetCDF4, a Zarr store or a directory of .npy)")
     p.add_argument("--output", required=True,
                    help="HDF5 file, or Zarr store for a name ending in .zarr, to write "
-                        "(dataset 'prediction')")
-    p.add_argument("--format", default=None, metavar="{hdf5,zarr}",
+                        "(dataset 'prediction'); for a run on gridded files, a NetCDF "
+                        "forecast with its coordinates for a name ending in .nc")
+    p.add_argument("--format", default=None, metavar="{hdf5,zarr,netcdf}",
                    help="output format (default: zarr for an --output ending in .zarr, "
-                        "else hdf5)")
+                        "netcdf for .nc, else hdf5)")
     p.add_argument("--rollout", type=int, default=1, metavar="N",
                    help="feed predictions back as input for N steps, keeping every step")
     p.add_argument("--split", default="test",
-                   help="the {split} of the task's dataset paths in the input file")
+                   help="the {split} of the task's dataset paths in the input file; for a "
+                        "run on gridded files, the split of data.splits whose windows to "
+                        "predict (all: every window of the files)")
     p.add_argument("--dataset", default=None, help="the input's dataset path in the file")
     p.add_argument("--batch-size", type=int, default=None,
                    help="examples per batch (default: train.batch_size)")

@@ -10,6 +10,7 @@ validated by the task's own `Config`, so loading resolves the task (`spmd.tasks.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,32 @@ def _check_keys(raw: Any, cls: type[BaseModel], prefix: str, blame: _Blame) -> N
             _check_keys(value, sub, dotted + ".", blame)
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML as `yaml.safe_load` reads it, except that a date the standard calendar lacks but
+    another CF calendar has (2019-02-29, 2019-02-30: all_leap, 360_day) stays the string
+    written; spmd.data.calendars reads it in the data's calendar. A date no calendar has
+    (2019-13-01, 2019-02-31) still fails."""
+
+
+def _timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    try:
+        return yaml.SafeLoader.construct_yaml_timestamp(loader, node)
+    except ValueError:
+        text = loader.construct_scalar(node)
+        m = re.match(r"^\d{4}-(\d{1,2})-(\d{1,2})$", str(text))
+        if m and 1 <= int(m.group(1)) <= 12 and 1 <= int(m.group(2)) <= 30:
+            return text
+        raise
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp)
+
+
+def load_yaml(text: str) -> Any:
+    """A config's YAML (ConfigLoader)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506  (a SafeLoader)
+
+
 def parse_overrides(pairs: list[str]) -> dict:
     """`["train.steps=5", "mesh.rules.mlp=null"]` -> nested dict with YAML-typed values."""
     out: dict = {}
@@ -101,7 +128,7 @@ def parse_overrides(pairs: list[str]) -> dict:
         if not sep or not key:
             raise ConfigError(f"override '{pair}' is not of the form key=value")
         try:
-            value = yaml.safe_load(text) if text != "" else ""
+            value = load_yaml(text) if text != "" else ""
         except (yaml.YAMLError, ValueError) as e:   # ValueError: an impossible date
             raise ConfigError(f"override '{pair}': value does not parse as YAML: {e}") from None
         node = out
@@ -197,7 +224,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {p} does not exist")
         text = p.read_text()
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = load_yaml(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} does not parse as YAML: {e}") from None
         except ValueError as e:     # YAML reads 2002-13-01 as a date, and fails to make it
@@ -209,7 +236,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
 
 def _bad_scalar(text: str) -> str:
     """Where a YAML scalar that parses but cannot be built (an impossible date) lies."""
-    loader = yaml.SafeLoader(text)
+    loader = ConfigLoader(text)
     try:
         nodes = [loader.get_single_node()]
         while nodes:

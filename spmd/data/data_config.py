@@ -8,6 +8,7 @@ imports nothing of spmd (pydantic only); `spmd.config` assembles it into the run
 from __future__ import annotations
 
 import datetime
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -28,10 +29,17 @@ class WindowConfig(BaseModel):
     stride: int = Field(1, ge=1, description="A window starts every `stride` time steps.")
 
 
+# a date as a config writes it, in any calendar: 2019, 2019-03, 2019-02-30, 2019-03-24T06,
+# ...T06:30, ...T06:30:15 (spmd.data.calendars reads it in the data's calendar)
+DATE = re.compile(r"^(\d{4})(?:-(\d{1,2})(?:-(\d{1,2})(?:[T ](\d{1,2})(?::(\d{2})"
+                  r"(?::(\d{2}))?)?)?)?)?$")
+
+
 def _config_time(value: Any) -> str | None:
     """A split's start or end as an ISO string: a YAML date (2002-01-01), a YAML timestamp
     (2002-01-01T06:00:00 or 2002-01-01 06:00:00, which YAML reads as a datetime; one with a
-    zone is taken in UTC) or a string numpy reads as a time (2002-01-01T06:00)."""
+    zone is taken in UTC), a year (2010) or a string read as a time (2002-01-01T06:00; a
+    date of any calendar, such as 2019-02-30, is checked against the data's calendar)."""
     if value is None:
         return None
     if isinstance(value, datetime.datetime):
@@ -40,14 +48,19 @@ def _config_time(value: Any) -> str | None:
         return value.isoformat()
     if isinstance(value, datetime.date):
         return value.isoformat()
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 9999:
+        return f"{value:04d}"                    # a year, as YAML reads `start: 2010`
     if isinstance(value, str):
         try:
-            np.datetime64(value.strip().replace(" ", "T"), "ns")
+            np.datetime64(value.strip().replace(" ", "T"), "us")
             return value.strip()
         except ValueError:
             pass
+        m = DATE.match(value.strip())     # a date only some calendars have (2019-02-30)
+        if m and all(1 <= int(g or 1) <= top for g, top in zip(m.groups()[1:3], (12, 31))):
+            return value.strip()
     raise ValueError(f"{value!r} is not a date or time; write e.g. 2002-01-01 or "
-                     f"2002-01-01T06:00")
+                     f"2002-01-01T06:00 (a date of the data's calendar)")
 
 
 ConfigTime = Annotated[str | None, BeforeValidator(_config_time)]

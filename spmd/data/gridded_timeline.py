@@ -5,6 +5,8 @@ steps through time across them. Each file's metadata are read once with xarray (
 name, time decoded the CF way, the variables' packing in `spmd.data.cf_decode`), then
 checked together, so nothing is mixed in silently:
 
+- times are read in any CF calendar (standard, proleptic_gregorian, noleap / 365_day,
+  all_leap / 366_day, 360_day, julian; spmd.data.calendars), one calendar per timeline;
 - dimensions are found by name (time: `time`/`valid_time`; level: `level`,
   `pressure_level`, `plev`, `isobaricInhPa`; `latitude`/`lat`; `longitude`/`lon`), in
   whatever order the file stores them;
@@ -35,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from spmd.data.calendars import STANDARD as STANDARD_CALENDAR
+from spmd.data.calendars import Calendar, axis_times
 from spmd.data.cf_decode import Coding, coding_of
 from spmd.data.channels import COORDINATE_CONSTANTS, Channel
 from spmd.data.netcdf3 import unreadable_netcdf3
@@ -70,12 +74,13 @@ class FileAxes:
     path: Path
     format: str
     dims: dict[str, str]                      # role (time, level, lat, lon) -> dim name
-    times: np.ndarray                         # datetime64[ns]
+    times: np.ndarray                         # axis times, datetime64[us] (calendars)
     lat: np.ndarray
     lon: np.ndarray
     levels: np.ndarray | None
     variables: dict[str, VarInfo]
     flip_lat: bool = False                    # read latitude reversed (data.latitude_order)
+    calendar: Calendar = STANDARD_CALENDAR    # the CF calendar of `times`
 
 
 def _open(path: Path, fmt: str) -> Any:
@@ -151,22 +156,15 @@ def _scan(path: Path, where: str) -> FileAxes:
             return np.array(ds[name].values) if name in ds.coords else np.arange(
                 ds.sizes[name])
 
-        times = coord("time")
-        if not np.issubdtype(times.dtype, np.datetime64):
-            raise ArrayDataError(f"{where}: file {path}: variable '{dims['time']}' is not a "
-                                 f"CF time (units 'hours since ...'); xarray decoded it as "
-                                 f"{times.dtype}")
+        calendar, times = axis_times(coord("time"),
+                                     f"{where}: file {path}: variable '{dims['time']}'")
         variables = {}
         for name, var in ds.data_vars.items():
             variables[str(name)] = VarInfo(tuple(map(str, var.dims)), tuple(var.shape),
                                            coding_of(var, f"{where}: file {path}", str(name)),
                                            str(var.attrs.get("units", "")))
-        return FileAxes(path, fmt, dims, times.astype("datetime64[ns]"), coord("lat"),
-                        coord("lon"), coord("level"), variables)
-
-
-def _fmt_time(t: np.datetime64) -> str:
-    return str(np.datetime_as_string(t, unit="m"))
+        return FileAxes(path, fmt, dims, times, coord("lat"), coord("lon"), coord("level"),
+                        variables, calendar=calendar)
 
 
 @dataclass
@@ -215,9 +213,19 @@ class Timeline:
             lo, k = stop, k + 1
         return out
 
+    @property
+    def calendar(self) -> Calendar:
+        """The CF calendar of every file (build_timeline refuses a mix)."""
+        return self.files[0].calendar
+
+    def text(self, t: np.datetime64) -> str:
+        """Axis time `t` as a date of the data's calendar, to the minute."""
+        return self.calendar.text(t)
+
     def describe(self) -> str:
+        cal = "" if self.calendar == STANDARD_CALENDAR else f" ({self.calendar} calendar)"
         text = (f"{len(self.files)} file(s), {len(self.times)} times "
-                f"{_fmt_time(self.times[0])} .. {_fmt_time(self.times[-1])} every "
+                f"{self.text(self.times[0])} .. {self.text(self.times[-1])}{cal} every "
                 f"{step_text(self.step)}, "
                 f"grid {len(self.lat)} x {len(self.lon)} (latitude {self.lat[0]:g} .. "
                 f"{self.lat[-1]:g})")
@@ -228,7 +236,7 @@ class Timeline:
 
 
 CALENDAR_UNITS = {"M": "month", "Y": "year"}       # steps counted in the calendar's units
-MEAN_HOURS = {"M": 365.2425 * 24 / 12, "Y": 365.2425 * 24}
+YEAR_MONTHS = {"M": 12, "Y": 1}
 
 
 def step_text(step: np.timedelta64) -> str:
@@ -239,21 +247,22 @@ def step_text(step: np.timedelta64) -> str:
     return f"{step / np.timedelta64(1, 'h'):g} h"
 
 
-def step_hours(step: np.timedelta64) -> float:
-    """Hours of one step (a calendar month or year: its mean length)."""
+def step_hours(step: np.timedelta64, calendar: Calendar = STANDARD_CALENDAR) -> float:
+    """Hours of one step (a calendar month or year: its mean length in `calendar`)."""
     unit = np.datetime_data(step.dtype)[0]
     if unit in CALENDAR_UNITS:
-        return MEAN_HOURS[unit] * int(step.astype(int))
+        return calendar.year_days * 24 / YEAR_MONTHS[unit] * int(step.astype(int))
     return float(step / np.timedelta64(1, "h"))
 
 
-def _in_units(times: np.ndarray, step: np.timedelta64) -> np.ndarray:
+def _in_units(times: np.ndarray, step: np.timedelta64, calendar: Calendar) -> np.ndarray:
     """`times` in the step's units: calendar months or years, else as they are."""
     unit = np.datetime_data(step.dtype)[0]
-    return times.astype(f"datetime64[{unit}]") if unit in CALENDAR_UNITS else times
+    return calendar.in_units(times, unit) if unit in CALENDAR_UNITS else times
 
 
-def _calendar_step(diffs: np.ndarray, times: list[np.ndarray]) -> np.timedelta64 | None:
+def _calendar_step(diffs: np.ndarray, times: list[np.ndarray],
+                   calendar: Calendar) -> np.timedelta64 | None:
     """One calendar month or year, where the data are monthly or yearly: steps of 28 days or
     more whose most common length in calendar months (or years) is 1, as pandas'
     `infer_freq` sees MS / M / YS series (a month's mean stamped on its first, middle or
@@ -261,7 +270,7 @@ def _calendar_step(diffs: np.ndarray, times: list[np.ndarray]) -> np.timedelta64
     if np.median(diffs) < np.timedelta64(28, "D"):
         return None
     for unit in ("M", "Y"):
-        stepped = np.diff(np.concatenate(times).astype(f"datetime64[{unit}]"))
+        stepped = np.diff(calendar.in_units(np.concatenate(times), unit))
         stepped = stepped[stepped > np.timedelta64(0, unit)]
         if len(stepped):
             values, counts = np.unique(stepped, return_counts=True)
@@ -274,11 +283,11 @@ def _common_step(files: list[FileAxes], where: str) -> np.timedelta64:
     diffs = np.concatenate([np.diff(f.times) for f in files] +
                            [np.array([b.times[0] - a.times[-1]]) for a, b in
                             zip(files, files[1:])])
-    diffs = diffs[diffs > np.timedelta64(0, "ns")]
+    diffs = diffs[diffs > np.timedelta64(0, "us")]
     if not len(diffs):
         raise ArrayDataError(f"{where}: every file holds a single time; the time step is "
                              f"unknown (variable 'time' of {files[0].path})")
-    calendar = _calendar_step(diffs, [f.times for f in files])
+    calendar = _calendar_step(diffs, [f.times for f in files], files[0].calendar)
     if calendar is not None:
         return calendar
     values, counts = np.unique(diffs, return_counts=True)
@@ -292,46 +301,49 @@ def _check_times(files: list[FileAxes], step: np.timedelta64, gaps_key: str, gap
     cuts, found = [], []
     offset = 0
     zero = np.timedelta64(0, np.datetime_data(step.dtype)[0])
+    calendar = files[0].calendar
+    text = calendar.text
     for k, f in enumerate(files):
         t = f.times
         name = f.dims["time"]
-        bad = np.flatnonzero(np.diff(t) <= np.timedelta64(0, "ns"))
+        bad = np.flatnonzero(np.diff(t) <= np.timedelta64(0, "us"))
         if len(bad):
             i = int(bad[0]) + 1
             raise ArrayDataError(f"{where}: file {f.path}: variable '{name}' does not increase: "
-                                 f"{name}[{i}]={_fmt_time(t[i])} follows "
-                                 f"{_fmt_time(t[i - 1])}; sort or deduplicate the file")
-        tu = _in_units(t, step)
+                                 f"{name}[{i}]={text(t[i])} follows "
+                                 f"{text(t[i - 1])}; sort or deduplicate the file")
+        tu = _in_units(t, step, calendar)
         d = np.diff(tu)
         same = np.flatnonzero(d <= zero)
         if len(same):
             i = int(same[0]) + 1
             raise ArrayDataError(f"{where}: file {f.path}: variable '{name}' holds two times "
                                  f"in one {step_text(step).split()[-1]}: {name}[{i}]="
-                                 f"{_fmt_time(t[i])} and {_fmt_time(t[i - 1])}")
+                                 f"{text(t[i])} and {text(t[i - 1])}")
         prev = None if k == 0 else files[k - 1]
         jumps = [(int(i) + 1, t[i], t[i + 1]) for i in np.flatnonzero(d != step)]
         if prev is not None:
-            gap = tu[0] - _in_units(prev.times[-1:], step)[0]
-            if t[0] - prev.times[-1] <= np.timedelta64(0, "ns") or gap <= zero:
+            gap = tu[0] - _in_units(prev.times[-1:], step, calendar)[0]
+            if t[0] - prev.times[-1] <= np.timedelta64(0, "us") or gap <= zero:
                 raise ArrayDataError(
                     f"{where}: file {f.path}: variable '{name}' starts at "
-                    f"{_fmt_time(t[0])}, not after the end {_fmt_time(prev.times[-1])} of "
+                    f"{text(t[0])}, not after the end {text(prev.times[-1])} of "
                     f"file {prev.path}: the files overlap in time; remove one of them")
             if gap != step:
                 jumps.insert(0, (0, prev.times[-1], t[0]))
         for i, before, after in jumps:
-            apart = _in_units(np.array([after]), step)[0] - _in_units(np.array([before]), step)[0]
+            apart = (_in_units(np.array([after]), step, calendar)[0]
+                     - _in_units(np.array([before]), step, calendar)[0])
             if apart % step:
                 raise ArrayDataError(
                     f"{where}: file {f.path}: variable '{name}' steps irregularly at "
-                    f"{name}[{i}]={_fmt_time(after)} ({(after - before) / np.timedelta64(1, 'h'):g}"
-                    f" h after {_fmt_time(before)}; the data's step is {step_text(step)})")
-            found.append((str(f.path), _fmt_time(before), _fmt_time(after)))
+                    f"{name}[{i}]={text(after)} ({(after - before) / np.timedelta64(1, 'h'):g}"
+                    f" h after {text(before)}; the data's step is {step_text(step)})")
+            found.append((str(f.path), text(before), text(after)))
             if gaps != "allow":
                 raise ArrayDataError(
                     f"{where}: file {f.path}: variable '{name}' has a gap at {name}[{i}]="
-                    f"{_fmt_time(after)} (previous time {_fmt_time(before)}, step "
+                    f"{text(after)} (previous time {text(before)}, step "
                     f"{step_text(step)}); set {gaps_key}: allow to train with windows that "
                     f"never span it")
             cuts.append(offset + i)
@@ -436,6 +448,11 @@ def build_timeline(paths: list[Path], channels: list[Channel], constants: list[s
     if time_gaps not in ("error", "allow"):
         raise ArrayDataError(f"{gaps_key}={time_gaps}: one of error, allow")
     files = [scan_file(p, where) for p in paths]
+    calendars = {f.calendar for f in files}
+    if len(calendars) > 1:
+        by = {str(c): next(str(f.path) for f in files if f.calendar == c) for c in calendars}
+        raise ArrayDataError(f"{where}: the files use different calendars: " + "; ".join(
+            f"{c} (file {p})" for c, p in sorted(by.items())) + "; a timeline has one calendar")
     files.sort(key=lambda f: f.times[0] if len(f.times) else np.datetime64("NaT"))
     empty = [str(f.path) for f in files if not len(f.times)]
     if empty:

@@ -48,13 +48,14 @@ import numpy as np
 
 from spmd.data.arrays import ArraySource, Region
 from spmd.data.batch import BatchField
+from spmd.data.calendars import AXIS
 from spmd.data.cf_decode import decode
 from spmd.data.channels import Channel, channel_table, parse_channels
 from spmd.data.gridded_reads import GriddedReader
 from spmd.data.gridded_timeline import Timeline, build_timeline
 from spmd.data.normalization import Moments
 from spmd.data.stores import ArrayDataError
-from spmd.data.time_splits import split_range
+from spmd.data.time_splits import as_time, require_split, split_range
 
 __all__ = ["GriddedWindowSource", "NAN_POLICIES"]
 
@@ -67,7 +68,9 @@ MAX_BLOCK_BYTES = 64 << 20               # ... and never more (part of a longer 
 
 class GriddedWindowSource(ArraySource):
     """Windows of `channels` over the timeline of the files at `path`, in the time range
-    `time_range` (start, end; None: open), as rows of `input_name` and `target_name`
+    `time_range` (start, end; None: open; axis times or dates of the data's calendar), or
+    split `split` of `splits` (data.splits, read in the data's calendar), as rows of
+    `input_name` and `target_name`
     (and `mask_name` when given); `constants` (data.constants) are appended to the input's
     channels. See the module docstring."""
 
@@ -78,6 +81,7 @@ class GriddedWindowSource(ArraySource):
                  target_name: str, mask_name: str | None = None, constants: Sequence[str] = (),
                  input_steps: int = 1, target_steps: int = 1, stride: int = 1,
                  time_range: tuple[Any, Any] = (None, None), split: str = "train",
+                 splits: Mapping[str, Any] | None = None, allow_split_overlap: bool = False,
                  time_gaps: str = "error", latitude_order: str = "as_stored",
                  nan: str = "error", nan_fill: float | Sequence[float] = 0.0,
                  standardize_constants: bool = False, seed: int = 0,
@@ -93,6 +97,7 @@ class GriddedWindowSource(ArraySource):
         self.input_steps, self.target_steps = int(input_steps), int(target_steps)
         self.stride, self.span = int(stride), int(input_steps) + int(target_steps)
         self.time_range, self.split = tuple(time_range), split
+        self.splits, self.allow_split_overlap = splits, bool(allow_split_overlap)
         self.time_gaps, self.latitude_order = time_gaps, latitude_order
         self.nan, self.window_key = nan, window_key
         self.nan_fill = np.asarray(nan_fill, np.float32)    # a value, or one per channel
@@ -122,7 +127,8 @@ class GriddedWindowSource(ArraySource):
     def from_config(cls, cfg: Any, split: str, fields: Mapping[str, BatchField], *,
                     input_name: str, target_name: str, mask_name: str | None = None,
                     shuffle: bool, target_steps: int | None = None, count: int | None = None,
-                    nan_fill: Sequence[float] | None = None) -> GriddedWindowSource:
+                    nan_fill: Sequence[float] | None = None,
+                    config_key: str = "data.path") -> GriddedWindowSource:
         """Split `split` (data.splits.<split>) of data.path's files, the channels of
         data.variables, windows of data.window (`target_steps` overrides), seeded with
         train.seed, read ahead as ArraySource.from_config says. `nan_fill` (one value per
@@ -137,20 +143,22 @@ class GriddedWindowSource(ArraySource):
                                  f"windows; set data.window.input_steps, target_steps, stride")
         splits = {k: v.model_dump() if hasattr(v, "model_dump") else v
                   for k, v in (d.splits or {}).items()}
-        time_range = split_range(splits, split, d.allow_split_overlap)
+        require_split(splits, split)      # the dates are read once the calendar is known
         until = cfg.train.steps if split == "train" else d.eval_batches
         return cls(d.path, parse_channels(d.variables), fields, cfg.train.batch_size,
                    input_name=input_name, target_name=target_name,
                    mask_name=mask_name,
                    constants=list(d.constants), input_steps=d.window.input_steps,
                    target_steps=d.window.target_steps if target_steps is None else
-                   target_steps, stride=d.window.stride, time_range=time_range, split=split,
+                   target_steps, stride=d.window.stride, splits=splits, split=split,
+                   allow_split_overlap=d.allow_split_overlap,
                    time_gaps=d.time_gaps, latitude_order=d.latitude_order, nan=d.nan,
                    nan_fill=d.nan_fill if nan_fill is None else nan_fill,
                    standardize_constants=d.normalize,
                    seed=cfg.train.seed, shuffle=shuffle, count=count,
                    prefetch=d.prefetch, read_threads=d.read_threads, prefetch_until=until,
-                   shuffle_block=d.shuffle_block, shuffle_mix=d.shuffle_mix)
+                   shuffle_block=d.shuffle_block, shuffle_mix=d.shuffle_mix,
+                   config_key=config_key)
 
     # --------------------------------------------------------- the timeline
 
@@ -158,6 +166,7 @@ class GriddedWindowSource(ArraySource):
         super()._setup()
         self._timeline: Timeline | None = None
         self._starts = np.zeros(0, np.int64)
+        self._range: tuple[Any, Any] = (None, None)   # the split's (start, end) axis times
         self._member_of: list[int] = []          # timeline file -> member of the index
         self._const: np.ndarray | None = None
         self._offsets_list: list[int] = []       # the timeline's file offsets (bisect)
@@ -194,12 +203,19 @@ class GriddedWindowSource(ArraySource):
         me = weakref.proxy(self)   # no cycle: a dropped source frees its blocks at once
         self._reader = GriddedReader(tl, lambda k: me._member(me._member_of[k]), self.where)
         self._offsets_list = [int(o) for o in tl.offsets]
-        start, end = self.time_range
+        if self.splits is not None:
+            start, end = split_range(self.splits, self.split, self.allow_split_overlap,
+                                     calendar=tl.calendar)
+        else:
+            start, end = (t.astype(AXIS) if isinstance(t, np.datetime64) else
+                          as_time(t, f"data.splits.{self.split}.{which}", which == "end",
+                                  tl.calendar)
+                          for t, which in zip(self.time_range, ("start", "end")))
+        self._range = (start, end)
         self._starts = tl.window_starts(self.span, self.stride, start, end)
         w = self.window_key
         if not len(self._starts):
-            lo = np.datetime_as_string(tl.times[0], unit="m")
-            hi = np.datetime_as_string(tl.times[-1], unit="m")
+            lo, hi = tl.text(tl.times[0]), tl.text(tl.times[-1])
             raise ArrayDataError(
                 f"{self.where}: split '{self.split}' (data.splits.{self.split}: "
                 f"{self._range_text()}) holds no window of {self.span} steps ({w}.input_steps="
@@ -279,9 +295,14 @@ class GriddedWindowSource(ArraySource):
         return out
 
     def _range_text(self) -> str:
-        start, end = (None if t is None else np.datetime_as_string(t, unit="m")
-                      for t in self.time_range)
+        """The split's range (data.splits) as dates of the data's calendar."""
+        tl = self._timeline or self.timeline        # (_check's own errors: already built)
+        start, end = (None if t is None else tl.text(t) for t in self._range)
         return f"{start or 'start'} .. {end or 'end'}"
+
+    def time_text(self, t: np.datetime64) -> str:
+        """A time of the windows (`window_of`) as a date of the data's calendar."""
+        return self.timeline.text(t)
 
     def nan_text(self) -> str:
         """What is known of NaN in this split without reading it: the missing values per
@@ -312,8 +333,13 @@ class GriddedWindowSource(ArraySource):
         if self.count < 1:
             return self._range_text()
         first, last = self.window_of(0)["times"][0], self.window_of(self.count - 1)["times"][-1]
-        return (f"{np.datetime_as_string(first, unit='m')} .. "
-                f"{np.datetime_as_string(last, unit='m')}")
+        return f"{self.time_text(first)} .. {self.time_text(last)}"
+
+    def forecast_grid(self) -> Any:
+        """The coordinates of predictions from these windows (spmd.data.forecast_grid)."""
+        from spmd.data.forecast_grid import forecast_grid
+
+        return forecast_grid(self)
 
     def window_of(self, record: int) -> dict[str, Any]:
         """Where window `record` lies: its first time, its times, and its (file, first row,
@@ -477,7 +503,7 @@ class GriddedWindowSource(ArraySource):
         k, row, _ = tl.pieces(t0 + step, t0 + step + 1)[0]
         c = self.channels[channel]
         level = "" if c.level is None else f" at level {c.level:g}"
-        when = np.datetime_as_string(tl.times[t0 + step], unit="m")
+        when = tl.text(tl.times[t0 + step])
         return ArrayDataError(
             f"{self.where}: file {tl.files[k].path}: variable '{c.variable}'{level} is NaN at "
             f"time index {row} ({when}) in {int(bad[step, :, channel].sum())} grid point(s) "

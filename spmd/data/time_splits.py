@@ -11,8 +11,9 @@ on years it never saw. With
 both splits read the same files (or the same Zarr store): a window belongs to a split when
 all its times lie in [start, end] (both ends included; either may be left out: the start
 or the end of the data). As in xarray's `sel(time=slice(start, end))`, an end written as a
-date is its whole day (`2001-12-31` ends at 23:59:59.999999999; a month or a year likewise),
-and a start is the period's first instant.
+date is its whole day (`2001-12-31` ends at 23:59:59.999999; a month or a year likewise),
+and a start is the period's first instant. Dates are dates of the data's calendar
+(spmd.data.calendars): `2019-02-30` is a day of a 360_day file.
 
 Invariants:
 - Splits whose ranges overlap are refused, naming both and the overlap, unless
@@ -25,57 +26,49 @@ Invariants:
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from spmd.data.calendars import STANDARD, Calendar
 from spmd.data.stores import ArrayDataError
 
-__all__ = ["as_time", "check_splits", "split_range"]
+__all__ = ["as_time", "check_splits", "require_split", "split_range"]
 
 
-def as_time(value: Any, key: str, end: bool = False) -> np.datetime64 | None:
-    """A config time (`2002-01-01`, `2002-01-01T06:00`, a YAML date) as datetime64[ns]. With
-    `end`, the last nanosecond of the period written, as xarray's `sel(time=slice(...,
-    "2002-01-01"))` reads it: a date is its whole day, `2002-03` the month, `2002` the year,
-    `2002-01-01T06` the hour."""
+def as_time(value: Any, key: str, end: bool = False,
+            calendar: Calendar = STANDARD) -> np.datetime64 | None:
+    """A config time (`2002-01-01`, `2002-01-01T06:00`, a YAML date) as an axis time of
+    `calendar` (datetime64[us]; spmd.data.calendars). With `end`, the last microsecond of
+    the period written, as xarray's `sel(time=slice(..., "2002-01-01"))` reads it: a date
+    is its whole day, `2002-03` the month, `2002` the year, `2002-01-01T06` the hour."""
     if value is None:
         return None
-    if isinstance(value, datetime.datetime):
-        value = value.replace(tzinfo=None).isoformat()
-    elif isinstance(value, datetime.date):
-        value = value.isoformat()
-    text = str(value).strip().replace(" ", "T")
-    try:
-        written = np.datetime64(text)                  # in the unit the text is written in
-        if end:
-            period = np.timedelta64(1, np.datetime_data(written.dtype)[0])
-            return (written + period).astype("datetime64[ns]") - np.timedelta64(1, "ns")
-        return written.astype("datetime64[ns]")
-    except ValueError:
-        raise ArrayDataError(f"{key}={value!r}: not a date or time; write e.g. 2002-01-01 or "
-                             f"2002-01-01T06:00") from None
+    return calendar.parse(value, key, end)
 
 
-def _range(spec: Any, key: str) -> tuple[np.datetime64 | None, np.datetime64 | None]:
+def _range(spec: Any, key: str,
+           calendar: Calendar) -> tuple[np.datetime64 | None, np.datetime64 | None]:
     get = spec.get if isinstance(spec, Mapping) else lambda k: getattr(spec, k, None)
-    start = as_time(get("start"), f"{key}.start")
-    end = as_time(get("end"), f"{key}.end", end=True)
+    start = as_time(get("start"), f"{key}.start", calendar=calendar)
+    end = as_time(get("end"), f"{key}.end", end=True, calendar=calendar)
     if start is not None and end is not None and end < start:
-        raise ArrayDataError(f"{key}: end {end} is before start {start}")
+        raise ArrayDataError(f"{key}: end {calendar.text(end)} is before start "
+                             f"{calendar.text(start)}")
     return start, end
 
 
-def _fmt(t: np.datetime64 | None, open_end: str) -> str:
-    return open_end if t is None else str(np.datetime_as_string(t, unit="m"))
-
-
 def check_splits(splits: Mapping[str, Any], allow_overlap: bool = False,
-                 key: str = "data.splits") -> dict[str, tuple[Any, Any]]:
-    """Every split's (start, end); overlapping or identical ranges refused (docstring)."""
-    ranges = {name: _range(spec, f"{key}.{name}") for name, spec in splits.items()}
+                 key: str = "data.splits",
+                 calendar: Calendar = STANDARD) -> dict[str, tuple[Any, Any]]:
+    """Every split's (start, end) as axis times of `calendar`; overlapping or identical
+    ranges refused (module docstring)."""
+
+    def _fmt(t: np.datetime64 | None, open_end: str) -> str:
+        return open_end if t is None else calendar.text(t)
+
+    ranges = {name: _range(spec, f"{key}.{name}", calendar) for name, spec in splits.items()}
     names = list(ranges)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -98,17 +91,22 @@ def check_splits(splits: Mapping[str, Any], allow_overlap: bool = False,
     return ranges
 
 
-def split_range(splits: Mapping[str, Any] | None, split: str, allow_overlap: bool = False,
-                key: str = "data.splits") -> tuple[Any, Any]:
-    """The (start, end) of `split`, after checking all of `splits` together."""
+def require_split(splits: Mapping[str, Any] | None, split: str,
+                  key: str = "data.splits") -> None:
+    """`splits` are set and hold `split` (its dates are read later, in the data's calendar)."""
     if not splits:
         raise ArrayDataError(
             f"{key} is not set: with data.variables the train and test splits are time "
             f"ranges of the same files; set {key}.train and {key}.test, e.g. "
             f"{{train: {{end: 2001-12-31T23:00}}, test: {{start: 2002-01-01}}}} (the test "
             f"split is never the train split by default)")
-    ranges = check_splits(splits, allow_overlap, key)
-    if split not in ranges:
-        raise ArrayDataError(f"{key}.{split} is not set (have {sorted(ranges)}); give it a "
+    if split not in splits:
+        raise ArrayDataError(f"{key}.{split} is not set (have {sorted(splits)}); give it a "
                              f"start and an end")
-    return ranges[split]
+
+
+def split_range(splits: Mapping[str, Any] | None, split: str, allow_overlap: bool = False,
+                key: str = "data.splits", calendar: Calendar = STANDARD) -> tuple[Any, Any]:
+    """The (start, end) of `split` in `calendar`, after checking all of `splits` together."""
+    require_split(splits, split, key)
+    return check_splits(splits, allow_overlap, key, calendar)[split]

@@ -1,8 +1,10 @@
 """Where `spmd predict` writes: one array, `prediction`, filled slab by slab, committed whole.
 
-Formats (`output_format`): `hdf5`, an HDF5 file (h5py), and `zarr`, a Zarr v3 store
-directory; `--format` names one, else the path does (a name ending in `.zarr`: Zarr,
-anything else: HDF5). Both hold the same layout: the array at dataset path `prediction`,
+Formats (`output_format`): `hdf5`, an HDF5 file (h5py), `zarr`, a Zarr v3 store
+directory, and, for a run that trained on gridded files, `netcdf`, a forecast file with its
+coordinates (spmd.inference.forecast_netcdf); `--format` names one, else the path does (a
+name ending in `.zarr`: Zarr; `.nc`, `.nc4`: NetCDF; anything else: HDF5). HDF5 and Zarr
+hold the same layout: the array at dataset path `prediction`,
 created with its full shape before the first write (examples first, one example per
 chunk), its attributes on that array, examples where `write` puts them. Either reads back
 as data (`spmd.data.stores.Store`, `--input` of another `spmd predict`).
@@ -31,32 +33,43 @@ import numpy as np
 
 from spmd.data.stores import ZARR_METADATA, ZARR_SUFFIX
 from spmd.errors import SpmdError
+from spmd.inference.forecast_netcdf import NetcdfOutput
 
 OUTPUT_DATASET = "prediction"
-OUTPUT_FORMATS = ("hdf5", "zarr")
+OUTPUT_FORMATS = ("hdf5", "zarr", "netcdf")
+NETCDF_SUFFIXES = (".nc", ".nc4")
 
 
 def output_format(path: Path, format: str | None = None) -> str:
-    """`format` if given (one of OUTPUT_FORMATS), else `zarr` for a path ending in .zarr
-    and `hdf5` for any other."""
+    """`format` if given (one of OUTPUT_FORMATS), else `zarr` for a path ending in .zarr,
+    `netcdf` for one ending in .nc or .nc4 and `hdf5` for any other."""
     if format is None:
-        return "zarr" if Path(path).suffix.lower() == ZARR_SUFFIX else "hdf5"
+        suffix = Path(path).suffix.lower()
+        return ("zarr" if suffix == ZARR_SUFFIX else
+                "netcdf" if suffix in NETCDF_SUFFIXES else "hdf5")
     if format not in OUTPUT_FORMATS:
         raise SpmdError(f"--format {format}: the output formats are "
                         f"{', '.join(OUTPUT_FORMATS)} (default: zarr for an --output ending "
-                        f"in {ZARR_SUFFIX}, else hdf5)")
+                        f"in {ZARR_SUFFIX}, netcdf for .nc, else hdf5)")
     return format
 
 
 def open_output(path: Path, format: str, shape: tuple[int, ...], dtype: np.dtype, *,
-                enabled: bool) -> Output:
+                enabled: bool, grid: Any = None) -> Output:
     """The `prediction` array of `shape` at `path` in `format`, under its temporary name
-    until `commit` (nothing at all unless `enabled`)."""
+    until `commit` (nothing at all unless `enabled`). `netcdf` needs the predictions'
+    coordinates, `grid` (a spmd.data.forecast_grid.ForecastGrid: a gridded run)."""
+    path = Path(path)
+    kind = output_format(path, format)
+    if kind == "netcdf" and grid is None:
+        raise SpmdError(f"--output {path}: a NetCDF forecast needs the coordinates of a run "
+                        f"that trained on gridded files (data.variables); write this task's "
+                        f"predictions to HDF5 (--format hdf5) or Zarr (NAME.zarr)")
     if not enabled:
         return Output(path)
-    path = Path(path)
-    return {"hdf5": Hdf5Output, "zarr": ZarrOutput}[output_format(path, format)](
-        path, shape, dtype)
+    if kind == "netcdf":
+        return NetcdfOutput(path, shape, dtype, grid)
+    return {"hdf5": Hdf5Output, "zarr": ZarrOutput}[kind](path, shape, dtype)
 
 
 class Output:

@@ -15,6 +15,14 @@ its full shape, under a temporary name renamed into place when complete
                  (examples, steps, *field)     rollout N > 1: step k is k + 1 model steps on
 
 The last batch is padded with the file's first examples and the padding is dropped.
+
+A task that reads its data its own way (`Task.prediction_source`: a gridded run's
+GriddedTrajectoryTask) reads `--input` as it read its training data: the windows of split
+`--split` (`all`: every window) of those files, with the same variables, levels, constants,
+CF decoding, calendar and latitude order, normalized with the run's own statistics. Its
+predictions are in physical units, and an output named `.nc` is a NetCDF forecast file with
+their coordinates (spmd.inference.forecast_netcdf). A rollout feeds each prediction back
+through `Task.next_input` (a trajectory task: the newest frame, constants kept).
 """
 
 from __future__ import annotations
@@ -98,7 +106,15 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
     batch = int(batch_size or cfg.train.batch_size)
     name = task.prediction_input()
     field = task.batch_fields()[name]
-    source, found = input_source(trained, input_path, split, dataset, batch)
+    source = task.prediction_source(input_path, split, batch)
+    if source is None:
+        source, found = input_source(trained, input_path, split, dataset, batch)
+    elif dataset is not None:
+        raise SpmdError(f"--dataset {dataset}: the task {cfg.task} reads --input as it read "
+                        f"its training data (data.variables {cfg.data.variables}); leave "
+                        f"--dataset out, and choose the times with --split")
+    else:
+        found = f"split {split}"
     count = source.count
     feed = BatchFeed({name: field}, batch, mesh, rules)
     in_sharding = feed.shardings[name]
@@ -114,15 +130,23 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
                                            sharding=in_sharding)}
     with mesh_context(mesh):   # mesh.axis_types=explicit: traced under jax.set_mesh
         out = jax.eval_shape(predict, trained.params, abstract)
-    feeds_back = tuple(out.shape) == abstract[name].shape
+        try:
+            following = jax.eval_shape(task.next_input, abstract[name], out)
+        except (TypeError, ValueError):             # shapes that do not concatenate
+            following = None
+    feeds_back = following is not None and tuple(following.shape) == abstract[name].shape
     if rollout > 1 and not feeds_back:
         raise SpmdError(f"--rollout {rollout} feeds each prediction back as input field "
                         f"'{name}' {abstract[name].shape}, but predictions have shape "
                         f"{tuple(out.shape)}; use --rollout 1 for this task")
-    step = in_mesh(jax.jit(predict, out_shardings=in_sharding if feeds_back else None), mesh)
+    same = tuple(out.shape) == abstract[name].shape
+    step = in_mesh(jax.jit(predict, out_shardings=in_sharding if same else None), mesh)
+    advance = in_mesh(jax.jit(task.next_input, out_shardings=in_sharding), mesh)
     shape = (count, *((rollout,) if rollout > 1 else ()), *out.shape[1:])
+    grid = (source.forecast_grid() if kind == "netcdf" and hasattr(source, "forecast_grid")
+            else None)
     writer = open_output(output_path, kind, shape, np.dtype(out.dtype),
-                         enabled=jax.process_index() == 0)
+                         enabled=jax.process_index() == 0, grid=grid)
     try:
         for b in range(math.ceil(count / batch)):
             rows = min(batch, count - b * batch)
@@ -132,7 +156,7 @@ def predict_file(trained: Trained, input_path: str | Path, output_path: str | Pa
                 host = gather_to_host(pred)
                 writer.write(b * batch, k if rollout > 1 else None, np.asarray(host)[:rows])
                 if k + 1 < rollout:
-                    inputs = {name: pred.astype(field.dtype)}
+                    inputs = {name: advance(inputs[name], pred).astype(field.dtype)}
         writer.commit({"task": cfg.task or "", "checkpoint": trained.source,
                        "step": trained.step, "input": str(input_path), "dataset": found,
                        "rollout": rollout, "batch_size": batch})

@@ -108,8 +108,8 @@ def _time_range(source: DataSource, scored: int) -> dict[str, str]:
         last = record_indices((scored - 1) // batch, (scored - 1) % batch,
                               (scored - 1) % batch + 1)[0]
         start, end = window_of(int(first))["times"][0], window_of(int(last))["times"][-1]
-        return {"windows_from": np.datetime_as_string(start, unit="m"),
-                "windows_to": np.datetime_as_string(end, unit="m")}
+        text = getattr(source, "time_text", lambda t: np.datetime_as_string(t, unit="m"))
+        return {"windows_from": text(start), "windows_to": text(end)}
     except (TypeError, ValueError, KeyError, IndexError) as e:
         log.debug("no time range of the scored windows (%s)", e)
         return {}

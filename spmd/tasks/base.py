@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar, cast
 
 import jax
@@ -163,6 +164,18 @@ class Task(abc.ABC, Generic[ModelCfg]):
         """The model's prediction for a batch holding `prediction_input()` (physical units:
         undo any normalization the loss works in). Default: the model on that field."""
         return model(batch[self.prediction_input()])
+
+    def next_input(self, inputs: jax.Array, prediction: jax.Array) -> jax.Array:
+        """The input field of the next step of a rollout (`spmd predict --rollout N`) from
+        this step's input and prediction (both physical units). Default: the prediction
+        itself (a task whose prediction has the input's shape)."""
+        return prediction
+
+    def prediction_source(self, path: Path, split: str, batch_size: int) -> DataSource | None:
+        """The examples `spmd predict --input PATH` reads, when this task reads them its own
+        way (an ArraySource whose fields include `prediction_input()`), or None: then the
+        input field's dataset in the file (`dataset_paths`, `--dataset`)."""
+        return None
 
     def dataset_paths(self) -> Mapping[str, str]:
         """Each batch field's dataset in a data file, "{split}" standing for train or test

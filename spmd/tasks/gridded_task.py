@@ -41,6 +41,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,8 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
 
     def dt(self) -> float:
         """Hours between two frames (one model step)."""
-        return step_hours(self.grid().step)
+        grid = self.grid()
+        return step_hours(grid.step, grid.calendar)
 
     def frame_shape(self) -> tuple[int, ...]:
         g = self.grid()
@@ -140,6 +142,24 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
             self.cfg, split, fields, input_name=self.input_name, target_name=self.target_name,
             mask_name=self.mask_name if d.nan == "mask" else None,
             shuffle=shuffle, target_steps=target_steps, nan_fill=fill)
+
+    def prediction_source(self, path: Path, split: str, batch_size: int
+                          ) -> GriddedWindowSource:
+        """`spmd predict --input PATH`: the files at PATH read as training read data.path
+        (the same variables, levels, constants, CF decoding, calendar and latitude order),
+        the windows of split `split` of data.splits (`all`: every window of the files), one
+        target step each, NaN filled as in training with the run's statistics."""
+        d = self.cfg.data
+        splits = {"all": {}} if split == "all" else d.splits
+        cfg = self.cfg.model_copy(update={
+            "data": d.model_copy(update={"path": str(path), "splits": splits}),
+            "train": self.cfg.train.model_copy(update={"batch_size": int(batch_size)})})
+        fill = self.normalization()[0] if d.normalize and d.nan != "error" else None
+        return GriddedWindowSource.from_config(
+            cfg, split, self._fields(1), input_name=self.input_name,
+            target_name=self.target_name,
+            mask_name=self.mask_name if d.nan == "mask" else None, shuffle=False,
+            target_steps=1, nan_fill=fill, config_key="--input")
 
     def data_incomplete(self) -> bool:
         return False

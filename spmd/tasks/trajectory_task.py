@@ -381,6 +381,15 @@ class TrajectoryTask(Task[ModelCfg]):
         """The next frame in physical units."""
         return self._scaled(self.rollout(model, batch[self.input_name], 1)[0], False)
 
+    def next_input(self, inputs: jax.Array, prediction: jax.Array) -> jax.Array:
+        """The input after `prediction` (physical units): the last input_steps frames, the
+        newest the prediction, then the constants unchanged (as `rollout` steps)."""
+        c, k = self.frame_channels(), self.constant_channels()
+        split = inputs.shape[-1] - k
+        frames = jnp.concatenate([inputs[..., c:split], prediction.astype(inputs.dtype)],
+                                 axis=-1)
+        return jnp.concatenate([frames, inputs[..., split:]], axis=-1) if k else frames
+
     def _truths(self, target: jax.Array, steps: int) -> list[jax.Array]:
         c = self.frame_channels()
         return [target[..., k * c:(k + 1) * c] for k in range(steps)]

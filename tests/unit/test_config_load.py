@@ -97,20 +97,27 @@ WEATHER = REPO / "configs" / "weather_era5.yaml"
 
 def test_split_times_as_yaml_writes_them_and_impossible_dates(tmp_path):
     """YAML reads `2016-12-31T18:00:00` as a datetime and `2016-12-31` as a date: both are
-    split times. A date that does not exist, or a number, fails in one line naming where."""
+    split times, and so is a year. A date no calendar has, or another number, fails in one
+    line naming where; a day only another calendar has (2018-02-30) is kept as written."""
     cfg = load_config(WEATHER, ["data.splits.train.end=2016-12-31T18:00:00",
                                 "data.splits.test.start=2018-01-01 06:00:00+02:00"])
     assert cfg.data.splits["train"].end == "2016-12-31T18:00:00"
     assert cfg.data.splits["test"].start == "2018-01-01T04:00:00"       # taken in UTC
     assert cfg.data.splits["train"].start == "2010-01-01"               # a YAML date
+    assert load_config(WEATHER, ["data.splits.test.start=2018"]).data.splits[
+        "test"].start == "2018"                                         # a year, as xarray
     with pytest.raises(ConfigError) as e:
-        load_config(WEATHER, ["data.splits.test.start=2018"])
+        load_config(WEATHER, ["data.splits.test.start=2018.5"])
     assert "data.splits.test.start" in str(e.value) and "not a date or time" in str(e.value)
+    # a day of another calendar (360_day) is kept as written, for the data's calendar
+    days360 = tmp_path / "days360.yaml"
+    days360.write_text(WEATHER.read_text().replace("start: 2018-01-01", "start: 2018-02-30"))
+    assert load_config(days360).data.splits["test"].start == "2018-02-30"
     bad = tmp_path / "bad.yaml"
-    bad.write_text(WEATHER.read_text().replace("start: 2018-01-01", "start: 2018-02-30"))
+    bad.write_text(WEATHER.read_text().replace("start: 2018-01-01", "start: 2018-02-31"))
     with pytest.raises(ConfigError) as e:
         load_config(bad)
-    assert str(e.value).startswith(f"config file {bad}: line ") and "'2018-02-30'" in str(e.value)
+    assert str(e.value).startswith(f"config file {bad}: line ") and "'2018-02-31'" in str(e.value)
     assert "day is out of range" in str(e.value)
     with pytest.raises(ConfigError, match="2018-13-01.*does not parse as YAML"):
         load_config(WEATHER, ["data.splits.test.start=2018-13-01"])

@@ -160,8 +160,10 @@ def test_output_format_follows_the_flag_else_the_name():
     assert output_format(Path("p.h5")) == "hdf5" and output_format(Path("p")) == "hdf5"
     assert output_format(Path("p.h5"), "zarr") == "zarr"
     assert output_format(Path("p.zarr"), "hdf5") == "hdf5"
-    with pytest.raises(SpmdError, match="--format netcdf: the output formats are hdf5, zarr"):
-        output_format(Path("p.nc"), "netcdf")
+    assert output_format(Path("p.nc")) == "netcdf" and output_format(Path("p.nc4")) == "netcdf"
+    with pytest.raises(SpmdError, match="--format grib: the output formats are hdf5, zarr, "
+                                        "netcdf"):
+        output_format(Path("p.grib"), "grib")
 
 
 def test_the_default_task_predict_through_predict_and_export(run, data, tmp_path):
@@ -210,3 +212,12 @@ def test_eval_of_the_train_split_is_the_train_splits_eval_loss(run, capsys):
     assert np.isfinite(train["eval_loss"]) and train["eval_loss"] != test["eval_loss"]
     assert train["eval_loss"] == pytest.approx(eval_loss(stream=0), rel=1e-5)
     assert test["eval_loss"] == pytest.approx(eval_loss(stream=1), rel=1e-5)
+
+
+def test_a_netcdf_forecast_needs_a_gridded_run(tmp_path):
+    from spmd.inference.outputs import open_output
+
+    with pytest.raises(SpmdError, match="a NetCDF forecast needs the coordinates of a run "
+                                        "that trained on gridded files"):
+        open_output(tmp_path / "p.nc", None, (4, 2), np.dtype("float32"), enabled=True)
+    assert not list(tmp_path.iterdir())

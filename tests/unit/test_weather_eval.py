@@ -206,3 +206,66 @@ def test_eval_on_other_files_keeps_the_runs_statistics_and_scores_what_it_is_tol
         want = np.sqrt((err * w).mean(axis=(1, 2)).mean())
         assert report["metrics"][f"persistence_lat_rmse_t2m_{lead}"] == pytest.approx(
             want, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_predict_writes_a_netcdf_forecast_in_physical_units_with_coordinates(flagship,
+                                                                           tmp_path):
+    """Issue 49, item 7: `spmd predict` reads the files the run trained on (constants,
+    levels, NaN over land) and writes a forecast xarray opens with its coordinates."""
+    out = tmp_path / "forecast.nc"
+    r = run_spmd("predict", str(flagship["run"]), "--input", str(flagship["data"]),
+                 "--output", str(out), "--rollout", "2",
+                 env=clean_env(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO)), cwd=REPO,
+                 timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    fc = xr.open_dataset(out)
+    truth = xr.open_dataset(flagship["data"] / "era5_2001.nc")
+    channels = ["t2m", "u10", "v10", "sst", "geopotential_500", "geopotential_850"]
+    assert [v for v in fc.data_vars] == channels
+    assert fc["t2m"].dims == ("time", "lead", "latitude", "longitude")
+    n = 364                          # every test window of 1 input and 1 target step
+    assert fc.sizes == {"time": n, "lead": 2, "latitude": 6, "longitude": 12}
+    np.testing.assert_array_equal(fc["time"].values, truth["time"].values[:n])
+    np.testing.assert_array_equal(fc["valid_time"].values[:, 0], truth["time"].values[1:n + 1])
+    assert list(fc["prediction_timedelta"].values) == [np.timedelta64(24, "h"),
+                                                       np.timedelta64(48, "h")]
+    np.testing.assert_array_equal(fc["latitude"].values, truth["latitude"].values)
+    assert fc["t2m"].attrs["units"] == truth["t2m"].attrs["units"] == "K"
+    pred = fc["t2m"].values
+    assert np.isfinite(pred).all() and not np.array_equal(pred[:, 0], pred[:, 1])
+    # physical units: within a few kelvin of the truth after 6 training steps, not z-scores
+    assert abs(pred[:, 0].mean() - truth["t2m"].values[1:n + 1].mean()) < 5, pred.mean()
+    z500 = fc["geopotential_500"].values[:, 0]
+    want = truth["geopotential"].sel(level=500).values[1:n + 1]
+    assert abs(z500.mean() - want.mean()) < 0.1 * abs(want.mean())
+
+
+@pytest.mark.slow
+def test_a_run_whose_data_moved_loads_with_the_new_path_and_says_what_is_missing(
+        flagship, tmp_path):
+    """Issue 49, item 8: the run's kept statistics cover moved data; a missing path is
+    named missing, not "possibly truncated"."""
+    import shutil
+    import subprocess
+    import sys
+
+    moved = tmp_path / "moved"
+    shutil.copytree(flagship["data"], moved, ignore=shutil.ignore_patterns("stats.json"))
+    run = tmp_path / "run"
+    shutil.copytree(flagship["run"], run, ignore=shutil.ignore_patterns("local"))
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace(str(flagship["data"]), str(tmp_path / "gone")))
+    code = (f"import spmd\nfrom spmd.errors import SpmdError\n"
+            f"t = spmd.load({str(run)!r}, overrides=['data.path={moved}'])\n"
+            f"print(type(t.model).__name__, t.step)\n"
+            f"try:\n    spmd.load({str(run)!r})\n"
+            f"except SpmdError as e:\n    print('ERROR', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=clean_env(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO)),
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    loaded, error = r.stdout.splitlines()[-2:]
+    assert loaded.split()[1] == str(STEPS), loaded
+    assert "does not exist" in error and str(tmp_path / "gone") in error, error
+    assert "truncated" not in error

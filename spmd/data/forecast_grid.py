@@ -1,0 +1,74 @@
+"""The coordinates of predictions made from gridded windows (`spmd predict` on a run that
+trained on data.variables): what a forecast file needs so that xarray opens it with its
+times, latitudes, longitudes and channel names.
+
+Invariants:
+- Record i of a prediction belongs to window i of the source in time order (predict reads
+  without shuffling); its initial time is the window's last input frame, and lead k
+  (1 .. rollout) is k steps of the data's time step after it.
+- Times are axis times of the data's calendar (spmd.data.calendars): as "hours since
+  1970-01-01 00:00:00" in that calendar they are written exactly, whatever the calendar.
+- A calendar-month or -year step has no fixed length: such a forecast has leads in steps
+  but no `valid_time`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from spmd.data.calendars import Calendar
+from spmd.data.gridded_timeline import CALENDAR_UNITS, step_text
+
+__all__ = ["ForecastGrid", "forecast_grid"]
+
+TIME_UNITS = "hours since 1970-01-01 00:00:00"
+
+
+@dataclass(frozen=True)
+class ForecastGrid:
+    """Where each predicted frame lies: per record its initial time, the grid, the
+    channels (names and units), the calendar and the step."""
+
+    init_times: np.ndarray                 # axis times (datetime64[us]), one per record
+    lat: np.ndarray
+    lon: np.ndarray
+    channels: list[str]
+    units: list[str]
+    calendar: Calendar
+    step: np.timedelta64
+
+    @property
+    def fixed_step(self) -> bool:
+        """Whether the step is a duration (hours), not a calendar month or year."""
+        return np.datetime_data(self.step.dtype)[0] not in CALENDAR_UNITS
+
+    def step_text(self) -> str:
+        return step_text(self.step)
+
+    def hours(self, times: np.ndarray) -> np.ndarray:
+        """Axis times as float64 `TIME_UNITS` of the calendar (exact to the microsecond)."""
+        us = np.asarray(times).astype("datetime64[us]").astype(np.int64)
+        return us / 3.6e9
+
+    def step_hours(self) -> float:
+        return float(self.step / np.timedelta64(1, "h"))
+
+    def calendar_attr(self) -> str:
+        """The CF calendar attribute of the time variables."""
+        return self.calendar.name
+
+
+def forecast_grid(source: Any) -> ForecastGrid:
+    """The ForecastGrid of a GriddedWindowSource's records (its windows in time order)."""
+    tl = source.timeline
+    last_input = source.input_steps - 1
+    init = np.array([source.window_of(i)["times"][last_input] for i in range(source.count)],
+                    dtype="datetime64[us]")
+    variables = tl.files[0].variables
+    units = [variables[c.variable].units if c.variable in variables else ""
+             for c in source.channels]
+    return ForecastGrid(init, np.asarray(tl.lat), np.asarray(tl.lon),
+                        [c.name for c in source.channels], units, tl.calendar, tl.step)
