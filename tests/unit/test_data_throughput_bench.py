@@ -103,13 +103,15 @@ def test_quick_training_run_reports_the_input_wait_fraction(tmp_path):
 
 
 def test_short_gridded_cases_report_feed_over_plain_read_per_layout(tmp_path):
-    """The xarray-written weather layouts (issue 35): each reports paired feed / plain-read
-    ratios, cold and warm, over the same windows; no target is checked in --short."""
+    """The xarray-written weather layouts (issue 35, packed for issue 49): each reports paired
+    feed / plain-read, feed / plain-windows and feed / xarray-loop ratios, cold and warm,
+    over the same windows; no target is checked in --short."""
     proc, r = bench(tmp_path, "--formats", "", "--train-steps", "0", "--gridded-steps", "40")
     assert r["formats"] == {} and r["verdict"] is None
     g = r["gridded"]
     assert g["variables"] == ["t2m", "u10", "v10", "msl"] and g["raw_block_steps"] == 256
-    assert set(g["layouts"]) == {"nc_plain", "nc_zlib_default", "nc_zlib_1xy", "zarr_t4"}
+    assert set(g["layouts"]) == {"nc_plain", "nc_packed", "nc_zlib_default", "nc_zlib_1xy",
+                                 "zarr_t4"}
     for name, layout in g["layouts"].items():
         assert layout["windows"] == 2 * 40 - 1          # (t, t+1) across the two files
         assert layout["feed_steps"] == layout["windows"] // 32
@@ -122,8 +124,11 @@ def test_short_gridded_cases_report_feed_over_plain_read_per_layout(tmp_path):
             assert c["ratio"]["median"] == pytest.approx(feed / raw, rel=1e-3)
             windows = c["windows"]["samples_per_s"]     # the hand-written loader's windows
             assert c["ratio_plain_windows"]["median"] == pytest.approx(feed / windows, rel=1e-3)
+            loop = c["xarray"]["samples_per_s"]         # the xarray loop (issue 49)
+            assert loop > 0
+            assert c["ratio_xarray_loop"]["median"] == pytest.approx(feed / loop, rel=1e-3)
         assert f"{name} " in proc.stdout
-    assert "feed/plain windows" in proc.stdout
+    assert "feed/plain windows" in proc.stdout and "feed/xarray loop" in proc.stdout
 
 
 def test_full_mode_with_nothing_to_measure_does_not_crash(tmp_path):
@@ -132,5 +137,5 @@ def test_full_mode_with_nothing_to_measure_does_not_crash(tmp_path):
                            "--train-steps", "0", "--dir", str(tmp_path)], capture_output=True,
                           text=True, env=clean_env(compile_cache=False), timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "PASS: feed/raw n/a" in proc.stdout
+    assert "PASS: feed/raw (gridded: feed/plain windows) n/a" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1])["verdict"] == "PASS"
