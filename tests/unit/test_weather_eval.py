@@ -240,6 +240,17 @@ def test_predict_writes_a_netcdf_forecast_in_physical_units_with_coordinates(fla
     want = truth["geopotential"].sel(level=500).values[1:n + 1]
     assert abs(z500.mean() - want.mean()) < 0.1 * abs(want.mean())
 
+    # on other files (t2m x 1.1), as data.path too: the run's statistics, untouched
+    other = tmp_path / "other.nc"
+    r = run_spmd("predict", str(flagship["run"]), "--input", str(flagship["other"]),
+                 "--output", str(other), f"data.path={flagship['other']}",
+                 env=clean_env(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO)), cwd=REPO,
+                 timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    copy = flagship["run"] / "normalization.json"
+    assert (copy.read_bytes(), copy.stat().st_mtime_ns) == flagship["normalization"]
+    assert xr.open_dataset(other).sizes["lead"] == 1
+
 
 @pytest.mark.slow
 def test_a_run_whose_data_moved_loads_with_the_new_path_and_says_what_is_missing(
