@@ -20,7 +20,6 @@ an error leaves nothing behind and whatever was at the path untouched).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +27,20 @@ import numpy as np
 
 from spmd.data.forecast_grid import TIME_UNITS, ForecastGrid
 from spmd.errors import SpmdError
+from spmd.inference.output_files import OneFileOutput
 
 __all__ = ["NetcdfOutput"]
 
 
-class NetcdfOutput:
+class NetcdfOutput(OneFileOutput):
     """A NetCDF4 forecast file (module docstring) of `shape` (records, [steps,] lat, lon,
-    channels): `steps` is absent for rollout 1 (spmd.inference.prediction's layout). The
-    interface of spmd.inference.outputs.Output: `write`, `commit`, `close`."""
+    channels): `steps` is absent for rollout 1 (spmd.inference.prediction's layout)."""
 
     def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype,
                  grid: ForecastGrid):
         import h5netcdf
 
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        super().__init__(path)
 
         if self.path.is_dir():
             raise SpmdError(f"--output {self.path} is a directory; a NetCDF forecast is one "
@@ -57,7 +55,7 @@ class NetcdfOutput:
         self.rollout = len(rest) == 4
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._file: Any = h5netcdf.File(self.tmp, "w")
+            self._file = h5netcdf.File(self.tmp, "w")
         except OSError as e:
             raise SpmdError(f"--output {self.path}: cannot write {self.tmp}: {e}") from e
         try:
@@ -118,16 +116,4 @@ class NetcdfOutput:
         self._file.attrs.update({k: v if isinstance(v, int | float) else str(v)
                                  for k, v in attrs.items()})
         self._file.attrs["Conventions"] = "CF-1.8"
-        self._file.close()
-        self._file = None
-        try:
-            os.replace(self.tmp, self.path)
-        except BaseException:
-            self.tmp.unlink(missing_ok=True)
-            raise
-
-    def close(self) -> None:
-        if self._file is not None:   # not committed: an error on the way
-            self._file.close()
-            self._file = None
-            self.tmp.unlink(missing_ok=True)
+        self._place()

@@ -34,6 +34,7 @@ import numpy as np
 from spmd.data.stores import ZARR_METADATA, ZARR_SUFFIX
 from spmd.errors import SpmdError
 from spmd.inference.forecast_netcdf import NetcdfOutput
+from spmd.inference.output_files import OneFileOutput, Output
 
 OUTPUT_DATASET = "prediction"
 OUTPUT_FORMATS = ("hdf5", "zarr", "netcdf")
@@ -72,32 +73,7 @@ def open_output(path: Path, format: str, shape: tuple[int, ...], dtype: np.dtype
     return {"hdf5": Hdf5Output, "zarr": ZarrOutput}[kind](path, shape, dtype)
 
 
-class Output:
-    """An output that writes nothing (a process other than the writing one); `Hdf5Output`
-    and `ZarrOutput` write. `write` puts `values` at examples [start, start + len) (and
-    rollout step `step`, None for an output without steps); `commit` sets the array's
-    attributes and renames the output into place; `close` after an error drops it."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-
-    def write(self, start: int, step: int | None, values: np.ndarray) -> None:
-        pass
-
-    def commit(self, attrs: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @staticmethod
-    def _slab(start: int, step: int | None, rows: int) -> tuple[slice | int, ...]:
-        return (slice(start, start + rows),) if step is None else \
-            (slice(start, start + rows), step)
-
-
-class Hdf5Output(Output):
+class Hdf5Output(OneFileOutput):
     """An HDF5 file holding the dataset `prediction`."""
 
     def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype):
@@ -110,7 +86,7 @@ class Hdf5Output(Output):
                             f"--format zarr for a Zarr store)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._file: Any = h5py.File(self.tmp, "w")
+            self._file = h5py.File(self.tmp, "w")
         except OSError as e:
             raise SpmdError(f"--output {self.path}: cannot write {self.tmp}: {e}") from e
         self.data = self._file.create_dataset(OUTPUT_DATASET, shape=shape, dtype=dtype,
@@ -121,19 +97,7 @@ class Hdf5Output(Output):
 
     def commit(self, attrs: dict[str, Any]) -> None:
         self.data.attrs.update(attrs)
-        self._file.close()
-        self._file = None
-        try:
-            os.replace(self.tmp, self.path)
-        except BaseException:
-            self.tmp.unlink(missing_ok=True)
-            raise
-
-    def close(self) -> None:
-        if self._file is not None:  # not committed: an error on the way
-            self._file.close()
-            self._file = None
-            self.tmp.unlink(missing_ok=True)
+        self._place()
 
 
 class ZarrOutput(Output):
