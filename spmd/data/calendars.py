@@ -179,5 +179,6 @@ def axis_times(values: np.ndarray, where: str) -> tuple[Calendar, np.ndarray]:
     if others:
         raise ArrayDataError(f"{where} mixes the calendars {sorted([calendar, *others])}")
     us = np.asarray(cftime.date2num(values, EPOCH_UNITS, calendar=calendar))
-    return Calendar(name, native=False), np.rint(us.astype(np.float64)).astype(
-        np.int64).astype(AXIS) if us.dtype != np.int64 else us.astype(AXIS)
+    if us.dtype != np.int64:                  # cftime returns floats where not exact
+        us = np.rint(us.astype(np.float64)).astype(np.int64)
+    return Calendar(name, native=False), us.astype(AXIS)

@@ -14,13 +14,14 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from spmd.data.calendars import Calendar
-from spmd.data.gridded_timeline import CALENDAR_UNITS, step_text
+from spmd.data.channels import Channel
+from spmd.data.gridded_timeline import CALENDAR_UNITS, Timeline, step_text
 
 __all__ = ["ForecastGrid", "forecast_grid"]
 
@@ -56,19 +57,15 @@ class ForecastGrid:
     def step_hours(self) -> float:
         return float(self.step / np.timedelta64(1, "h"))
 
-    def calendar_attr(self) -> str:
-        """The CF calendar attribute of the time variables."""
-        return self.calendar.name
 
 
-def forecast_grid(source: Any) -> ForecastGrid:
-    """The ForecastGrid of a GriddedWindowSource's records (its windows in time order)."""
-    tl = source.timeline
-    last_input = source.input_steps - 1
-    init = np.array([source.window_of(i)["times"][last_input] for i in range(source.count)],
-                    dtype="datetime64[us]")
-    variables = tl.files[0].variables
+def forecast_grid(timeline: Timeline, channels: Sequence[Channel],
+                  init_times: np.ndarray) -> ForecastGrid:
+    """The ForecastGrid of records starting at `init_times` (axis times of `timeline`) with
+    `channels`, their units as the first file states them."""
+    variables = timeline.files[0].variables
     units = [variables[c.variable].units if c.variable in variables else ""
-             for c in source.channels]
-    return ForecastGrid(init, np.asarray(tl.lat), np.asarray(tl.lon),
-                        [c.name for c in source.channels], units, tl.calendar, tl.step)
+             for c in channels]
+    return ForecastGrid(np.asarray(init_times, "datetime64[us]"), np.asarray(timeline.lat),
+                        np.asarray(timeline.lon), [c.name for c in channels], units,
+                        timeline.calendar, timeline.step)

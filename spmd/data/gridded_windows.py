@@ -51,6 +51,7 @@ from spmd.data.batch import BatchField
 from spmd.data.calendars import AXIS
 from spmd.data.cf_decode import decode
 from spmd.data.channels import Channel, channel_table, parse_channels
+from spmd.data.forecast_grid import ForecastGrid, forecast_grid
 from spmd.data.gridded_reads import GriddedReader
 from spmd.data.gridded_timeline import Timeline, build_timeline
 from spmd.data.normalization import Moments
@@ -335,11 +336,12 @@ class GriddedWindowSource(ArraySource):
         first, last = self.window_of(0)["times"][0], self.window_of(self.count - 1)["times"][-1]
         return f"{self.time_text(first)} .. {self.time_text(last)}"
 
-    def forecast_grid(self) -> Any:
-        """The coordinates of predictions from these windows (spmd.data.forecast_grid)."""
-        from spmd.data.forecast_grid import forecast_grid
-
-        return forecast_grid(self)
+    def forecast_grid(self) -> ForecastGrid:
+        """The coordinates of predictions from these windows, record by record (unshuffled:
+        record i is window i; its initial time is its last input frame's)."""
+        self.check()
+        init = self.timeline.times[self._starts[:self.count] + self.input_steps - 1]
+        return forecast_grid(self.timeline, self.channels, init)
 
     def window_of(self, record: int) -> dict[str, Any]:
         """Where window `record` lies: its first time, its times, and its (file, first row,

@@ -75,7 +75,7 @@ class NetcdfOutput(OneFileOutput):
             v[...] = values
             v.attrs.update(attrs)
 
-        calendar = grid.calendar_attr()
+        calendar = grid.calendar.name
         variable("time", ("time",), grid.hours(grid.init_times), "f8", units=TIME_UNITS,
                  calendar=calendar, standard_name="forecast_reference_time",
                  long_name="initial time (the last input frame)")
