@@ -14,7 +14,8 @@ import mmap
 import os
 import shutil
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,11 @@ def tree_size(path: Path) -> int:
 def files_under(root: Path) -> Iterable[Path]:
     """Regular files under `root`, sorted."""
     return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def parallel_map(fn: Any, items: Sequence[Any], threads: int = 8) -> list:
+    """fn over items on a few threads (numpy copies, crc32 and file I/O release the GIL)."""
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(threads, len(items), os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, items))

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,14 +157,6 @@ def _placement(sharding: Any, shape: tuple[int, ...]) -> tuple[dict[Key, set[int
         holders.setdefault(key, set()).add(device.process_index)
         placement.append((device.id, device.process_index, key))
     return holders, hashlib.sha256(json.dumps(sorted(placement)).encode()).hexdigest()
-
-
-def parallel_map(fn: Any, items: Sequence[Any], threads: int = 8) -> list:
-    """fn over items on a few threads (numpy copies, crc32 and file I/O release the GIL)."""
-    if len(items) < 2:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(min(threads, len(items), os.cpu_count() or 1)) as pool:
-        return list(pool.map(fn, items))
 
 
 def as_bytes(arr: np.ndarray) -> memoryview:

@@ -42,13 +42,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmd.checkpoint.files import parallel_map
 from spmd.checkpoint.layout import (
     PieceId,
     SaveLayout,
     index_key,
     key_shape,
     np_dtype,
-    parallel_map,
 )
 from spmd.launch import jax_stack
 

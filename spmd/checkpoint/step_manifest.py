@@ -34,10 +34,10 @@ from spmd.checkpoint.files import (
     files_under,
     fsync_dir,
     hex32,
+    parallel_map,
     read_json,
     write_json_atomic,
 )
-from spmd.checkpoint.layout import parallel_map
 
 MANIFEST = "spmd_manifest.json"
 FORMAT = "spmd-persistent/3"

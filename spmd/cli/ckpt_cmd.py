@@ -36,23 +36,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _config(run_dir: Path):
-    from spmd.config.load import load_config
+def _sections(run_dir: Path):
+    """The run's `run` and `checkpoint` sections from its config.yaml (run.dir taken as
+    RUN_DIR), read without importing its task (`load_run_sections`)."""
+    from spmd.config.load import load_run_sections
 
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise SpmdError(f"{config} does not exist: RUN_DIR must be a run directory written by "
                         "`spmd train` (it holds config.yaml)")
-    cfg = load_config(config)
-    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": run_dir})})
+    sections = load_run_sections(config)
+    return sections.run.model_copy(update={"dir": run_dir}), sections.checkpoint
 
 
 def tiers(run_dir: Path) -> tuple[Path, Path]:
     """(local_dir, persistent_dir) of a run, from its config.yaml (run.dir taken as RUN_DIR)."""
     from spmd.checkpoint.policy import tier_dirs
 
-    cfg = _config(run_dir)
-    return tier_dirs(cfg.checkpoint, cfg.run.dir)
+    run, checkpoint = _sections(run_dir)
+    return tier_dirs(checkpoint, run.dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,10 +71,12 @@ def _size(n: int) -> str:
 
 def _ls(args: argparse.Namespace) -> int:
     from spmd.checkpoint.listing import as_dict, scan_local, scan_persistent
+    from spmd.checkpoint.policy import tier_dirs
     from spmd.rundir.lease import LEASE_NAME, inspect_lease
 
-    local_dir, persistent_dir = tiers(args.run_dir)
-    stale_s = _config(args.run_dir).run.lease_stale_s
+    run_cfg, checkpoint = _sections(args.run_dir)
+    local_dir, persistent_dir = tier_dirs(checkpoint, run_cfg.dir)
+    stale_s = run_cfg.lease_stale_s
     lease = inspect_lease(args.run_dir, stale_s)
     local, persistent = scan_local(local_dir), scan_persistent(persistent_dir)
     latest_local = max((s.step for s in local if s.committed), default=None)

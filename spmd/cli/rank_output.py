@@ -7,9 +7,12 @@ Invariants:
 - Every byte of a rank's output reaches the console, as it comes (a progress bar redraws a
   line without ending it), except Gloo's line per rank saying it connected to all its
   peers (`GLOO_CONNECTED`), also when the ranks' lines arrive interleaved mid-line
-  (`gloo_lines`); that line with fewer peers than expected is news, and passes; `-v`
-  (`OutputFilter(quiet=False)`) passes all.
-- Only the start of a line that may become a quiet one ("[Gloo]") is held, until its end.
+  (`gloo_lines`); that line with fewer peers than expected is news, and passes. An error
+  line that a second rank prints word for word (`spmd train: error: ...`: a config error,
+  which every rank meets alike) is shown once. `-v` (`OutputFilter(quiet=False)`) passes
+  all.
+- Only the start of a line that may become a quiet one ("[Gloo]") or an error line
+  ("spmd ") is held, until its end.
 - A console that is gone (closed pipe) is drained anyway, so that no rank blocks writing.
 - The ranks' stderr is a pipe, so SPMD_CONSOLE tells rank 0 whether `spmd run`'s stderr is a
   terminal (a progress bar) or not (plain lines), and COLUMNS how wide it is
@@ -41,6 +44,15 @@ def console_env(env: dict[str, str], stream: IO[str]) -> dict[str, str]:
     if terminal:
         env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
     return env
+
+
+# `spmd.cli.main`'s one line for an SpmdError (a config error every rank meets alike)
+ERROR_LINE = re.compile(rb"spmd [a-z ]+: error: ")
+
+
+def _may_be_error(start: bytes) -> bool:
+    """Whether the start of a line may become an error line (ERROR_LINE)."""
+    return start.startswith(b"spmd ") or b"spmd ".startswith(start)
 
 
 def quiet_line(line: bytes) -> bool:
@@ -82,10 +94,12 @@ def gloo_lines(data: bytes) -> int | None:
 
 class OutputFilter:
     """A rank output stream, chunk by chunk, without its quiet lines (`quiet_line`, and Gloo's
-    connected lines of several ranks interleaved: `gloo_lines`).
+    connected lines of several ranks interleaved: `gloo_lines`) and without an error line
+    shown already (`repeated_error`).
 
     Bytes pass as they come (a progress bar redraws a line without ending it); only the
-    start of a line that may become a quiet one ("[Gloo]") is held until its end."""
+    start of a line that may become a quiet one ("[Gloo]") or an error line ("spmd ") is held
+    until its end."""
 
     MARK = b"[Gloo]"
 
@@ -93,6 +107,7 @@ class OutputFilter:
         self.quiet = quiet
         self.held = b""        # the start of a line that may be quiet
         self.mid_line = False  # the current line's start was passed on already
+        self.errors: set[bytes] = set()  # the error lines shown (ERROR_LINE)
 
     def feed(self, data: bytes) -> bytes:
         """What of `data` to write now."""
@@ -115,15 +130,23 @@ class OutputFilter:
                 out.append(line + newline)
                 self.mid_line = not newline
             elif newline:
-                if not quiet_line(line):
+                if not quiet_line(line) and not self.repeated_error(line):
                     out.append(line + newline)
-            elif self.MARK.startswith(line):
+            elif self.MARK.startswith(line) or _may_be_error(line):
                 self.held = line   # wait for its end
             else:
                 out.append(line)
                 self.mid_line = True
             data = rest
         return b"".join(out)
+
+    def repeated_error(self, line: bytes) -> bool:
+        """Whether `line` is an error line (ERROR_LINE) shown once already."""
+        if not ERROR_LINE.match(line):
+            return False
+        seen = line.rstrip() in self.errors
+        self.errors.add(line.rstrip())
+        return seen
 
     def flush(self) -> bytes:
         """What is left at the end of the stream."""

@@ -163,11 +163,12 @@ def child_env(ppn: int) -> dict[str, str]:
 
 def check_lease(config: str, overrides: list[str]) -> tuple[Path, float, float]:
     """The config's run.dir, checkpoint.timeout_s and launch.kill_wait_s; refused at once
-    (LeaseHeld, status 2) when a live run holds the run.dir."""
-    from spmd.config.load import load_config
+    (LeaseHeld, status 2) when a live run holds the run.dir. The ranks validate the rest
+    (`model:`, `task:`): reading the task here would cost this process a JAX import."""
+    from spmd.config.load import load_run_sections
     from spmd.rundir.lease import LEASE_NAME, LeaseHeld, inspect_lease, refusal
 
-    cfg = load_config(config, overrides)
+    cfg = load_run_sections(config, overrides)
     state = inspect_lease(cfg.run.dir, cfg.run.lease_stale_s)
     if state is not None and not state.stale:
         raise LeaseHeld(refusal(cfg.run.dir / LEASE_NAME, state.holder,

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from spmd.config.schema import Config, migrate_deprecated
+from spmd.config.schema import CheckpointConfig, Config, LaunchConfig, RunConfig, migrate_deprecated
 from spmd.errors import ConfigError
 from spmd.tasks.registry import import_task, resolve_task, task_path
 
@@ -209,12 +209,9 @@ def config_from_dict(raw: dict, source: str = "<config>", task: type | None = No
         raise ConfigError(_format_validation(e, blame)) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None,
-                task: type | None = None) -> Config:
-    """Read YAML at `path` (or defaults when None), apply overrides, validate.
-
-    `task` (a spmd.Task subclass) takes precedence over the config's `task:` key.
-    """
+def read_raw(path: str | Path | None, overrides: list[str] | None = None) -> tuple[dict, str]:
+    """(raw config, source): the YAML at `path` (or nothing when None) with the overrides
+    merged in, not yet validated; `source` names the file for errors."""
     raw: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -231,7 +228,50 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {p}: {_bad_scalar(text)}: {e}") from None
     if overrides:
         raw = with_overrides(raw if isinstance(raw, dict) else {}, overrides)
+    return raw, source
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None,
+                task: type | None = None) -> Config:
+    """Read YAML at `path` (or defaults when None), apply overrides, validate.
+
+    `task` (a spmd.Task subclass) takes precedence over the config's `task:` key.
+    """
+    raw, source = read_raw(path, overrides)
     return config_from_dict(raw, source, task, overridden(overrides))
+
+
+@dataclass(frozen=True)
+class RunSections:
+    """The sections a process outside the ranks reads: where the run lives (`run`), its
+    checkpoint tiers (`checkpoint`) and how its ranks are launched and ended (`launch`)."""
+
+    run: RunConfig
+    checkpoint: CheckpointConfig
+    launch: LaunchConfig
+
+
+def load_run_sections(path: str | Path | None,
+                      overrides: list[str] | None = None) -> RunSections:
+    """`run`, `checkpoint` and `launch` of a config, for `spmd run` and `spmd ckpt`: every
+    section but `model:` checked as `load_config` checks it (unknown keys, values, where each
+    was set), without resolving the task. The task's module, and with it JAX, is not
+    imported: the ranks validate `model:` and `task:` when they load the config themselves."""
+    raw, source = read_raw(path, overrides)
+    blame = _Blame(source, overridden(overrides))
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source}: top level must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        raw = migrate_deprecated(raw)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    _check_keys(raw, Config, "", blame)
+    try:
+        cfg = Config.model_validate({k: v for k, v in raw.items() if k not in ("model", "task")})
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, blame)) from None
+    return RunSections(cfg.run, cfg.checkpoint, cfg.launch)
 
 
 def _bad_scalar(text: str) -> str:

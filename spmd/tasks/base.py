@@ -15,14 +15,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar, cast
 
-import jax
-import optax
-from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field
 
 from spmd.data.batch import BatchField, DataSource
 
-if TYPE_CHECKING:  # the run's Config assembles the sections of every layer, this one's too
+if TYPE_CHECKING:
+    # jax, optax and flax only name types here: reading a config (`spmd run`, `spmd ckpt
+    # ls`, the job scripts) validates `model:` against ModelConfig without importing them
+    import jax
+    import optax
+    from flax import nnx
+
+    # the run's Config assembles the sections of every layer, this one's too
     from spmd.config.schema import Config
 
 

@@ -3,11 +3,15 @@ command line (with the override as given)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from spmd.config import load_config
+from spmd.config.load import load_run_sections
 from spmd.errors import ConfigError
-from tests.helpers.env import REPO
+from tests.helpers.env import REPO, clean_env
 
 FNO = REPO / "configs" / "fno_darcy.yaml"
 
@@ -52,6 +56,36 @@ def test_an_unknown_key_in_the_file_names_the_file(tmp_path):
     path.write_text("train:\n  stpes: 3\n")
     with pytest.raises(ConfigError, match=r"typo\.yaml: unknown config key 'train\.stpes'"):
         load_config(path, ["train.steps=4"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("checkpoint.every=abc", "Input should be a valid integer"),
+    ("chekpoint.every=3", "unknown config key 'chekpoint'"),
+    ("train.stepz=3", "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+])
+def test_run_sections_check_every_section_but_the_tasks_as_load_config_does(override, message):
+    """`spmd run` and `spmd ckpt` read run/checkpoint/launch without the task: the other
+    sections are still checked, and blamed on where they were set; `model:` is the ranks'."""
+    with pytest.raises(ConfigError) as e:
+        load_run_sections(FNO, [override])
+    assert str(e.value).startswith(f"command line: {override}: ") and message in str(e.value)
+    sections = load_run_sections(FNO, ["model.widht=3", "task=nowhere:Nothing",
+                                       "launch.kill_wait_s=7"])
+    assert sections.launch.kill_wait_s == 7 and str(sections.run.dir) == "runs/fno_darcy"
+    assert sections.checkpoint == load_config(FNO).checkpoint
+
+
+def test_reading_the_run_sections_imports_neither_jax_nor_the_task():
+    """What `spmd run` costs before its ranks start: no JAX import (about 2 s of CPU)."""
+    code = ("import sys\n"
+            "from spmd.config.load import load_run_sections\n"
+            f"s = load_run_sections({str(FNO)!r}, ['run.dir=/tmp/elsewhere'])\n"
+            "print(s.run.dir, s.checkpoint.every, sorted(m for m in ('jax', 'flax', 'optax')\n"
+            "      if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=clean_env(), cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["/tmp/elsewhere", "50", "[]"], r.stdout
 
 
 def test_sections_are_importable_from_spmd_config_and_spmd():

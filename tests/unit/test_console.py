@@ -192,6 +192,17 @@ def test_spmd_run_leaves_out_gloos_lines_of_two_ranks_interleaved_mid_line():
     assert OutputFilter().feed(mixed) == mixed
 
 
+def test_spmd_run_shows_an_error_line_every_rank_prints_alike_once():
+    """`spmd run` leaves validating `model:` to the ranks (no JAX import in the launcher), so
+    each rank prints the same config error: the console shows it once; other errors pass."""
+    bad = b"spmd train: error: command line: model.widht=3: unknown config key 'model.widht'\n"
+    other = b"spmd train: error: rank 1 on node2: data/x.h5 does not exist\n"
+    keep = OutputFilter()
+    out = b"".join(keep.feed(c) for c in [bad, bad[:20], bad[20:], other, b"done\n", other])
+    assert out == bad + other + b"done\n"
+    assert OutputFilter(quiet=False).feed(bad + bad) == bad + bad
+
+
 def test_spmd_version_prints_the_versions_and_exits_0():
     r = subprocess.run([sys.executable, "-m", "spmd.cli", "--version"], capture_output=True,
                        text=True, env=clean_env(), cwd=REPO, timeout=120)
