@@ -217,12 +217,19 @@ def failed(code: int | None, text: str, limit_s: float) -> dict:
     return {"status": "failed", "error": f"exit {code}\n{tail(text)}"}
 
 
+# the output of each gpu_mfu.py command run so far: with --cpu-smoke, mfu_1.3b and
+# mfu_3.3b-w4096 are the same tiny command (their sizes differ on a GPU only), run once
+_MFU_RUNS: dict[tuple[str, ...], tuple[int | None, str]] = {}
+
+
 def mfu_part(size: str, smoke: bool, out: Path, limit_s: float, name: str,
              extra: tuple[str, ...] = ("--compare",)) -> dict:
     argv = [sys.executable, str(HERE / "gpu_mfu.py"), *extra]
     argv += (["--short", "--size", "tiny"] if smoke
              else ["--size", size, "--steps", "5", "--reps", "3"])
-    code, text = run_child(argv, limit_s, out / f"{name}.log")
+    if tuple(argv) not in _MFU_RUNS:
+        _MFU_RUNS[tuple(argv)] = run_child(argv, limit_s, out / f"{name}.log")
+    code, text = _MFU_RUNS[tuple(argv)]
     got = last_json(text)
     if code not in (0, 1) or got is None:      # 1: ran, below its MFU target
         return failed(code, text, limit_s)

@@ -41,8 +41,11 @@ def test_cpu_smoke_runs_every_part_and_writes_the_json_and_the_table(tmp_path):
         part = record["parts"][name]
         assert part["status"] == "ok", (name, part)
         assert keys <= set(part["figures"]), (name, sorted(part["figures"]))
-        assert 0 < part["seconds"] <= part["limit_s"] + 5, (name, part)
+        assert 0 <= part["seconds"] <= part["limit_s"] + 5, (name, part)
     figures = {n: record["parts"][n]["figures"] for n in FIGURES}
+    # on CPU both MFU parts are the same tiny command: it runs once, its figures serve both
+    assert figures["mfu_3.3b-w4096"] == figures["mfu_1.3b"]
+    assert record["parts"]["mfu_1.3b"]["seconds"] > 0
     assert figures["devices"]["backend"] == "cpu"
     assert 0 < figures["main_job"]["test_rel_l2_last"] < 2
     assert figures["main_job"]["samples_per_s_median"] > 0
