@@ -217,9 +217,10 @@ def failed(code: int | None, text: str, limit_s: float) -> dict:
     return {"status": "failed", "error": f"exit {code}\n{tail(text)}"}
 
 
-# the output of each gpu_mfu.py command run so far: with --cpu-smoke, mfu_1.3b and
-# mfu_3.3b-w4096 are the same tiny command (their sizes differ on a GPU only), run once
-_MFU_RUNS: dict[tuple[str, ...], tuple[int | None, str]] = {}
+# each gpu_mfu.py command run so far: the part that ran it, its exit status and output. With
+# --cpu-smoke, mfu_1.3b and mfu_3.3b-w4096 are the same tiny command (their sizes differ on a
+# GPU only): it runs once, and the second part says whose run it reports (`same_run_as`)
+_MFU_RUNS: dict[tuple[str, ...], tuple[str, int | None, str]] = {}
 
 
 def mfu_part(size: str, smoke: bool, out: Path, limit_s: float, name: str,
@@ -228,8 +229,9 @@ def mfu_part(size: str, smoke: bool, out: Path, limit_s: float, name: str,
     argv += (["--short", "--size", "tiny"] if smoke
              else ["--size", size, "--steps", "5", "--reps", "3"])
     if tuple(argv) not in _MFU_RUNS:
-        _MFU_RUNS[tuple(argv)] = run_child(argv, limit_s, out / f"{name}.log")
-    code, text = _MFU_RUNS[tuple(argv)]
+        _MFU_RUNS[tuple(argv)] = (name, *run_child(argv, limit_s, out / f"{name}.log"))
+    ran_in, code, text = _MFU_RUNS[tuple(argv)]
+    same = {} if ran_in == name else {"same_run_as": ran_in}
     got = last_json(text)
     if code not in (0, 1) or got is None:      # 1: ran, below its MFU target
         return failed(code, text, limit_s)
@@ -238,9 +240,9 @@ def mfu_part(size: str, smoke: bool, out: Path, limit_s: float, name: str,
             "mfu", "plain_mfu", "step_s", "plain_step_s", "ratio", "peak_bytes",
             "measured_peak_bytes", "plan_over_measured", "loss", "tokens_per_s",
             "model_flops_per_step")
-    return {"status": "ok", "figures": {"device_kind": got["device_kind"],
-                                        "xla_flags": got.get("xla_flags"),
-                                        **{k: r.get(k) for k in keys}}}
+    return {"status": "ok", **same, "figures": {"device_kind": got["device_kind"],
+                                                 "xla_flags": got.get("xla_flags"),
+                                                 **{k: r.get(k) for k in keys}}}
 
 
 def main_job_part(smoke: bool, out: Path, limit_s: float) -> dict:

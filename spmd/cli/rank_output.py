@@ -144,8 +144,9 @@ class OutputFilter:
         """Whether `line` is an error line (ERROR_LINE) shown once already."""
         if not ERROR_LINE.match(line):
             return False
-        seen = line.rstrip() in self.errors
-        self.errors.add(line.rstrip())
+        line = line.rstrip()
+        seen = line in self.errors
+        self.errors.add(line)
         return seen
 
     def flush(self) -> bytes:

@@ -163,6 +163,21 @@ def _format_validation(e: ValidationError, blame: _Blame, prefix: str = "") -> s
     return "; ".join(lines)
 
 
+def _sections_checked(raw: Any, source: str, blame: _Blame) -> dict:
+    """A raw config as a mapping of sections, deprecated keys moved, every key known (the
+    `model:` section's are its task's: `config_from_dict` checks them)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source}: top level must be a mapping of sections, got {type(raw).__name__}"
+        )
+    try:
+        raw = migrate_deprecated(raw)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    _check_keys(raw, Config, "", blame)
+    return raw
+
+
 def config_from_dict(raw: dict, source: str = "<config>", task: type | None = None,
                      overrides: Mapping[str, str] | None = None) -> Config:
     """Validate a raw config; the `model:` section against its task's own `Config` class.
@@ -174,15 +189,7 @@ def config_from_dict(raw: dict, source: str = "<config>", task: type | None = No
     their errors name the override, every other error names `source`.
     """
     blame = _Blame(source, dict(overrides or {}))
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{source}: top level must be a mapping of sections, got {type(raw).__name__}"
-        )
-    try:
-        raw = migrate_deprecated(raw)
-    except ValueError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    _check_keys(raw, Config, "", blame)
+    raw = _sections_checked(raw, source, blame)
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, dict):
         raise ConfigError(f"{blame.prefix('model')}model: must be a mapping of the task's "
@@ -259,14 +266,7 @@ def load_run_sections(path: str | Path | None,
     imported: the ranks validate `model:` and `task:` when they load the config themselves."""
     raw, source = read_raw(path, overrides)
     blame = _Blame(source, overridden(overrides))
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{source}: top level must be a mapping of sections, got {type(raw).__name__}")
-    try:
-        raw = migrate_deprecated(raw)
-    except ValueError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    _check_keys(raw, Config, "", blame)
+    raw = _sections_checked(raw, source, blame)
     try:
         cfg = Config.model_validate({k: v for k, v in raw.items() if k not in ("model", "task")})
     except ValidationError as e:
