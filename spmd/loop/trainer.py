@@ -16,11 +16,11 @@ compiling) a signal ends every rank at once with status 75, there being nothing 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,17 +29,16 @@ import psutil
 from jax.sharding import Mesh
 
 from spmd.checkpoint import Checkpointer, create_checkpointer
-from spmd.comm.hang_watchdog import HUNG_FILE_NAME, HangReport, StepWatchdog, publish_host
+from spmd.comm.hang_watchdog import StepWatchdog, publish_host
 from spmd.comm.host_gather import sync_devices
-from spmd.comm.job_failure import FailureWatch, announce
+from spmd.comm.job_failure import FailureWatch
 from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.data.run_inputs import check_run_inputs
-from spmd.engine.engine_config import EngineSections
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import CheckedRules, Runtime, build_runtime, check_rules
-from spmd.errors import ExitCode, SpmdError
+from spmd.errors import ExitCode
 from spmd.launch import (
     LaunchEnv,
     PreemptionWatcher,
@@ -51,7 +50,7 @@ from spmd.loop.builtin_hooks import (
     StepClock,
 )
 from spmd.loop.early_stop import EarlyStop
-from spmd.loop.failure_report import exit_status, failure_line, log_to_files
+from spmd.loop.failure_report import record_hang, report_failure
 from spmd.loop.hook_chain import hook_chain
 from spmd.loop.hooks import Hook, HookFn, StepInfo, Stop
 from spmd.loop.recipe import fill_missing, keep_data_order, previous_recipe, restore_state
@@ -79,6 +78,16 @@ class Checked(NamedTuple):
     rules: CheckedRules
 
 
+@dataclass
+class _Opened:
+    """What a run has opened so far, for its error path and its clean-up: the run.dir
+    lease, the event log, and whether this rank logs to its file in run.dir yet."""
+
+    lease: RunLease | None = None
+    events: EventLog | None = None
+    log_file: bool = False
+
+
 class Trainer:
     """Trains `cfg` (its task, or `task`) on every device of every rank of the job."""
 
@@ -104,81 +113,91 @@ class Trainer:
 
     def run(self, debug: bool = False) -> int:
         """Bootstrap this rank, train, shut the distributed runtime down; the exit status."""
-        cfg = self.cfg
         # The job's start for `spmd report`: this process's start (imports count as bootstrap).
-        process_start, run_start = psutil.Process().create_time(), time.time()
-        env = bootstrap(init_timeout_s=cfg.launch.init_timeout_s,
-                        heartbeat_timeout_s=cfg.launch.heartbeat_timeout_s,
+        started = (psutil.Process().create_time(), time.time())
+        launch = self.cfg.launch
+        env = bootstrap(init_timeout_s=launch.init_timeout_s,
+                        heartbeat_timeout_s=launch.heartbeat_timeout_s,
                         watch_preemption=True)
-        run_dir = Path(cfg.run.dir)
-        lease, events, failed, own_log = None, None, False, False
         early = self._early = EarlyStop(PreemptionWatcher.install(env=env), env)
         # another rank's error (or early stop) ends this one at once
         failures = FailureWatch(env, on_failure=early.before_end).start()
         early.start()
         publish_host(env)  # a hang report names the host of a rank that cannot answer
+        opened, failed = _Opened(), False
         try:
-            # The run's own data order where the config leaves it unset (spmd.loop.recipe).
-            self.cfg, order_note = keep_data_order(self.cfg, run_dir)
-            if self.cfg is not cfg and self.task is not None:
-                self.task = type(self.task)(self.cfg)
+            order_note = self._keep_data_order()
             # A run rejected for its config leaves run.dir as it was (or absent): checked first.
             self._checked = self.check(env)
-            # One writer per run.dir: rank 0 leases it before writing there; refused: all exit 2.
-            lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
-                                     cfg.launch.barrier_timeout_s)
-            early.on_end.append(lease.release)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            setup_logging(run_dir, env.rank, debug, cfg.run.log_level)
-            own_log = True
-            if order_note is not None and env.rank == 0:
-                log.log(*order_note)
-            if cfg.run.compilation_cache is not None:
-                use_compilation_cache(cfg.run.compilation_cache)
-            events = EventLog(run_dir / "events.jsonl", env.rank)
-            early.events = events  # a stop before the first step records `preempted`
-            events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
-                        restart_count=env.restart_count, job_id=env.job_id, task=cfg.task,
-                        nodes=env.num_nodes, process_start=round(process_start, 3),
-                        run_start=round(run_start, 3),
-                        chain=os.environ.get("SPMD_CHAIN") or None)  # spmd report: queue
-            lease.start(events)  # logs the acquisition or take-over; heartbeat while training
-            return self.fit(env, events)
+            return self.fit(env, self._open_run_dir(env, opened, debug, order_note, started))
         except SystemExit:  # a status every rank agreed on (a refused lease): no failure
             early.disarm()   # decided: a signal from here on (Hydra's SIGUSR1 as the other
             raise            # ranks close) must not turn it into a preemption
         except BaseException as e:
             early.disarm()   # the status is this error's, whatever signal comes while ending
             failed = True
-            error = failure_line(e)
-            if isinstance(e, SpmdError) and env.size == 1:
-                # one process: its caller shows the error (`spmd train: error: ...`, or the
-                # exception), once; this run's log file, if it has one yet, keeps it too
-                if own_log:
-                    log_to_files(log, logging.ERROR, "%s: %s", env.who, error)
-            elif isinstance(e, SpmdError | KeyboardInterrupt):
-                log.error("%s: %s", env.who, error)
-            else:
-                log.error("%s failed: %s", env.who, error, exc_info=True)
-            # every other rank ends now, with this status, instead of waiting for this one
-            first = announce(env, error, exit_status(e), type(e).__name__)
-            if events is not None:  # how this job ended, for `spmd report`
-                events.record("failed", error=error[:500], exit_code=exit_status(e),
-                              first=first)
+            report_failure(env, e, opened.events, logs_to_file=opened.log_file)
             raise
         finally:
-            if env.size > 1 and not failed:
-                # jax.distributed.shutdown, after disarming the peer watchdog: a barrier of
-                # all ranks, which a failed job skips (the CLI ends the failed rank at once);
-                # a failure announced meanwhile still ends this rank (FailureWatch)
-                shutdown()
-            failures.stop(wait=not failed)
-            early.disarm()
-            early.watcher.reset()  # a later run in this process starts without this signal
-            if lease is not None:
-                lease.release()  # finished, preempted (75) or failed: every rank is done
-            if events is not None:
-                events.close()
+            self._close_run(env, failures, opened, failed)
+
+    def _keep_data_order(self) -> tuple[int, str] | None:
+        """The run's own data order where the config leaves it unset (spmd.loop.recipe):
+        `self.cfg` becomes the settled config, and the task is rebuilt on it. A line for the
+        log, or None."""
+        settled, note = keep_data_order(self.cfg, Path(self.cfg.run.dir))
+        if settled is not self.cfg:
+            self.cfg = settled
+            if self.task is not None:
+                self.task = type(self.task)(settled)
+        return note
+
+    def _open_run_dir(self, env: LaunchEnv, opened: _Opened, debug: bool,
+                      order_note: tuple[int, str] | None,
+                      started: tuple[float, float]) -> EventLog:
+        """One writer per run.dir: rank 0 leases it before anything is written there (refused:
+        every rank exits 2); then this rank's log file and the event log, returned. `opened`
+        holds each as soon as it is open, for the error path and the clean-up."""
+        cfg, early = self.cfg, self._early
+        assert early is not None
+        run_dir = Path(cfg.run.dir)
+        lease = opened.lease = RunLease.acquire(run_dir, env, cfg.run.lease_stale_s,
+                                                cfg.launch.barrier_timeout_s)
+        early.on_end.append(lease.release)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(run_dir, env.rank, debug, cfg.run.log_level)
+        opened.log_file = True
+        if order_note is not None and env.rank == 0:
+            log.log(*order_note)
+        if cfg.run.compilation_cache is not None:
+            use_compilation_cache(cfg.run.compilation_cache)
+        events = opened.events = EventLog(run_dir / "events.jsonl", env.rank)
+        early.events = events  # a stop before the first step records `preempted`
+        process_start, run_start = started
+        events.emit("started", launcher=env.launcher, size=env.size, node=env.node_id,
+                    restart_count=env.restart_count, job_id=env.job_id, task=cfg.task,
+                    nodes=env.num_nodes, process_start=round(process_start, 3),
+                    run_start=round(run_start, 3),
+                    chain=os.environ.get("SPMD_CHAIN") or None)  # spmd report: queue
+        lease.start(events)  # logs the acquisition or take-over; heartbeat while training
+        return events
+
+    def _close_run(self, env: LaunchEnv, failures: FailureWatch, opened: _Opened,
+                   failed: bool) -> None:
+        early = self._early
+        assert early is not None
+        if env.size > 1 and not failed:
+            # jax.distributed.shutdown, after disarming the peer watchdog: a barrier of all
+            # ranks, which a failed job skips (the CLI ends the failed rank at once); a
+            # failure announced meanwhile still ends this rank (FailureWatch)
+            shutdown()
+        failures.stop(wait=not failed)
+        early.disarm()
+        early.watcher.reset()  # a later run in this process starts without this signal
+        if opened.lease is not None:
+            opened.lease.release()  # finished, preempted (75) or failed: every rank is done
+        if opened.events is not None:
+            opened.events.close()
 
     def check(self, env: LaunchEnv) -> Checked:
         """What can be checked before anything is read or written in run.dir, raising the
@@ -190,7 +209,7 @@ class Trainer:
         cfg = self.cfg
         task = self.task or build_task(cfg)
         mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
-        return Checked(task, mesh, check_rules(EngineSections.of(cfg), task, mesh))
+        return Checked(task, mesh, check_rules(cfg.engine_sections(), task, mesh))
 
     def build(self, env: LaunchEnv) -> Runtime:
         """The task's one-time preparation (rank 0), then every sharding and jitted step."""
@@ -207,7 +226,7 @@ class Trainer:
             sync_devices("spmd:task-prepared")   # no part left running if the run ends here
         phase_done("data", time.perf_counter() - began, "prepared (Task.prepare)")
         began = time.perf_counter()
-        rt = build_runtime(EngineSections.of(self.cfg), checked.mesh, task, checked.rules)
+        rt = build_runtime(self.cfg.engine_sections(), checked.mesh, task, checked.rules)
         phase_done("model", time.perf_counter() - began, "shardings and jitted steps")
         shape = {k: v for k, v in rt.mesh.shape.items() if v > 1}
         log.info("task %s; mesh %s over %d devices, %d processes; params %s B total, %s B "
@@ -374,14 +393,6 @@ class Trainer:
 
 
 OWN_BOUNDS = frozenset({"checkpoint", "profiler"})  # hooks the hang watchdog does not time
-
-
-def record_hang(run_dir: Path, events: EventLog, report: HangReport) -> None:
-    """The reporting rank's record of a hang: a `hung` event, and run.dir/HUNG, which
-    `spmd run` and the job scripts read for the job's status (ExitCode.HUNG: requeue)."""
-    events.record("hung", **report.to_dict(), exit_code=int(ExitCode.HUNG))
-    (run_dir / HUNG_FILE_NAME).write_text(json.dumps({"line": report.line(),
-                                                      **report.to_dict()}) + "\n")
 
 
 def use_compilation_cache(path: Path) -> None:
