@@ -57,7 +57,9 @@ def test_run_without_mpiexec_says_how_to_install(tmp_path):
     # base interpreter loses a virtualenv's site-packages, so they are added with
     # site.addsitedir, which (unlike PYTHONPATH) also runs their .pth files: an editable
     # install's import finder (spmd.launch -> launch/) lives in one. This works for a venv,
-    # a system Python, an editable install and a plain one alike.
+    # a system Python, an editable install and a plain one alike. `-S`: the base
+    # interpreter's own site-packages stay out, so an editable install of another checkout
+    # there (its finder module has the same name) cannot shadow this one's.
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python").symlink_to(os.path.realpath(sys.executable))
@@ -68,7 +70,7 @@ def test_run_without_mpiexec_says_how_to_install(tmp_path):
              "runpy.run_module('spmd.cli', run_name='__main__')\n")
     env = clean_env(PATH=str(bindir))
     env.pop("PYTHONPATH", None)
-    result = subprocess.run([str(bindir / "python"), "-c", start, "run", "-n", "2", MLP],
+    result = subprocess.run([str(bindir / "python"), "-S", "-c", start, "run", "-n", "2", MLP],
                             capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr

@@ -93,7 +93,7 @@ def test_shardings_and_plan_accept_the_plugin(project):
 
 @pytest.mark.slow
 def test_kill_9_then_resume_is_bit_identical(project):
-    common = ("heat.yaml", "train.steps=30", "checkpoint.every=2", "mesh.strategy=dp")
+    common = ("heat.yaml", "train.steps=16", "checkpoint.every=4", "mesh.strategy=dp")
     reference = project / "runs" / "uninterrupted"
     run_dir = project / "runs" / "killed"
 
@@ -116,7 +116,7 @@ def test_kill_9_then_resume_is_bit_identical(project):
     r, _ = side_by_side(lambda: spmd(project, "train", *common, f"run.dir={reference}"),
                         kill_after_step_8)
     assert r.returncode == 0, r.stderr
-    assert len(losses(run_dir)) < 30  # it really died mid-run
+    assert len(losses(run_dir)) < 16  # it really died mid-run
     r = spmd(project, "train", *common, f"run.dir={run_dir}")
     assert r.returncode == 0, r.stderr
     restored = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
