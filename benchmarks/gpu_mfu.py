@@ -92,12 +92,11 @@ def compile_size(name: str, overrides: list[str], device, limit, limit_fraction:
     """Compile spmd's step for one size on `device`: (rt, compiled, plan, fits)."""
     from spmd.aot.plan import plan_from_compiled
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
     cfg = load_config(CONFIG, [*COMMON, *overrides])
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, [device]),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, [device]),
                        build_task(cfg))
     compiled, seconds = rt.compile_train_step()
     plan = plan_from_compiled(rt, compiled, seconds, config_name=name)

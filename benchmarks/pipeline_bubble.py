@@ -86,7 +86,6 @@ def compile_case(base: list[str], m: int, rows: int, schedule: str, repeats: int
     import jax
 
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
@@ -94,7 +93,7 @@ def compile_case(base: list[str], m: int, rows: int, schedule: str, repeats: int
                                f"train.batch_size={m * rows}",
                                f"train.pipeline_schedule={schedule}",
                                f"train.pipeline_repeats={repeats}"])
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()),
                        build_task(cfg))
     compiled, _ = rt.compile_train_step()
     state = rt.init()

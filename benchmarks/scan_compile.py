@@ -35,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             jax.clear_caches()
             cfg = load_config(CONFIG, [*base, f"model.remat={remat}",
                                        f"model.scan_layers={str(scan).lower()}"])
-            rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:1]),
+            rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()[:1]),
                                build_task(cfg))
             compiled, seconds = rt.compile_train_step()
             results.append({"scan_layers": scan, "remat": remat, "compile_s": round(seconds, 2),

@@ -239,14 +239,13 @@ def build_pair(overrides: list[str], strategy: str, num_devices: int):
     from jax.sharding import PartitionSpec as P
 
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
     # The baseline is the unrolled program with XLA attention: pin spmd to the same.
     cfg = load_config(CONFIG, [f"mesh.strategy={strategy}", "model.scan_layers=false",
                                "model.attention=xla", *overrides])
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
                        build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)   # device-resident, reused
     spmd_state = rt.init()
@@ -344,7 +343,6 @@ def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: i
     import jax
 
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
     from spmd.loop.builtin_hooks import MetricsHook, StepClock
@@ -352,7 +350,7 @@ def run_tracker_case(overrides: list[str], num_devices: int, steps: int, reps: i
     from spmd.rundir.metrics import EventLog
 
     cfg = load_config(CONFIG, ["run.progress=false", "run.log_every=1", *overrides])
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
                        build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)
     root = Path(tempfile.mkdtemp(prefix="spmd-tracker-bench-"))
@@ -434,7 +432,6 @@ def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
     import jax
 
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
     from spmd.engine.state import replicated
@@ -444,7 +441,7 @@ def run_stragglers_case(overrides: list[str], num_devices: int, steps: int,
     from spmd.rundir.metrics import EventLog
 
     cfg = load_config(CONFIG, ["run.progress=false", "run.log_every=1", *overrides])
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
                        build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)
     inner = rt.train_step.__wrapped__          # spmd's step function, before jax.jit
@@ -550,14 +547,13 @@ def run_recipe_case(overrides: list[str], num_devices: int, steps: int, reps: in
     from jax.sharding import PartitionSpec as P
 
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
     cfg = load_config(CONFIG, ["mesh.strategy=dp", "model.scan_layers=false",
                                "model.attention=xla", *overrides, *RECIPE])
     t = cfg.train
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()[:num_devices]),
                        build_task(cfg))
     batch = rt.feed.global_batch(rt.task.train_source(), 0)
     spmd_state = rt.init()

@@ -434,7 +434,6 @@ def plan_runtime(cfg: Config, mesh, task=None):
     sharding, batch, pipeline and accumulation check (`spmd jobscript`, spmd.aot.job_check;
     pass it to `make_plan(runtime=)` to compile it)."""
     from spmd.config.load import build_task
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.runtime import build_runtime
 
-    return build_runtime(EngineSections.of(cfg), mesh, task or build_task(cfg))
+    return build_runtime(cfg.engine_sections(), mesh, task or build_task(cfg))

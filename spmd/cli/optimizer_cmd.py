@@ -38,12 +38,11 @@ def describe(cfg, task, layout) -> dict:
     """What `spmd optimizer` prints, as a dict."""
     import jax
 
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.state import learning_rate
     from spmd.optim import decays
 
     opt, sched = cfg.optimizer, cfg.schedule
-    schedule = learning_rate(EngineSections.of(cfg))
+    schedule = learning_rate(cfg.engine_sections())
     own = task.optimizer(schedule) is not None
     with jax.default_device(jax.devices("cpu")[0]):
         lrs = {s: float(schedule(s - 1)) for s in shown_steps(cfg)}
@@ -99,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from spmd.engine.axis_rules import axis_rules
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.state import make_optimizer, model_layout
 
@@ -109,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     rules = axis_rules(cfg.mesh, task)
     layout = model_layout(task, cfg.train.seed, rules, mesh)
     # a module:function optimizer must import and build
-    make_optimizer(EngineSections.of(cfg), task, layout)
+    make_optimizer(cfg.engine_sections(), task, layout)
     d = describe(cfg, task, layout)
     print(json.dumps(d, indent=2) if args.json else as_text(d))
     return 0

@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
 from spmd.checkpoint.policy import CheckpointConfig
-from spmd.data.data_config import DataConfig, WindowConfig
+from spmd.data.data_config import DataConfig, SourceSections, WindowConfig
 from spmd.engine.engine_config import EngineSections, MeshConfig, TrainConfig
 from spmd.launch.launch_config import LaunchConfig
 from spmd.optim.optimizers import OptimizerConfig
@@ -112,3 +112,14 @@ class Config(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+    def engine_sections(self) -> EngineSections:
+        """What the engine reads: mesh, train, optimizer, schedule."""
+        return EngineSections(self.mesh, self.train, self.optimizer, self.schedule)
+
+    def source_sections(self) -> SourceSections:
+        """What a data source reads: the `data:` section, the batch size, the seed and the
+        steps of `train:`, and the task's name for its errors."""
+        return SourceSections(self.data, batch_size=self.train.batch_size,
+                              seed=self.train.seed, steps=self.train.steps,
+                              task=self.task or getattr(self.model, "name", None) or "(unnamed)")

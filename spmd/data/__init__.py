@@ -9,7 +9,8 @@ Stores and formats (HDF5, NetCDF4, Zarr, .npy) live in spmd.data.stores, many fi
 dataset in spmd.data.file_index, background reads in spmd.data.prefetch (docs/data.md).
 
 Owns the batch layout types (`batch`: `BatchField`, `DataSource`), sources, the feed and
-the `data:` section (`data_config`: `DataConfig`, `WindowConfig`).
+the `data:` section (`data_config`: `DataConfig`, `WindowConfig`, and `SourceSections`, what
+a source reads of a run's config).
 May import `spmd.sharding` and `spmd.errors`; tasks import this layer, never the reverse.
 """
 
@@ -25,6 +26,7 @@ _PUBLIC = {
     "write_arrays": "spmd.data.arrays",
     "WindowSource": "spmd.data.windows",
     "GriddedWindowSource": "spmd.data.gridded_windows",
+    "SourceSections": "spmd.data.data_config",
 }
 
 __all__ = sorted(_PUBLIC)

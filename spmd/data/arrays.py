@@ -54,6 +54,7 @@ import numpy as np
 from spmd.data.batch import BatchField
 from spmd.data.buffer_pool import BufferPool
 from spmd.data.cf_decode import CF_FORMATS, Coding, decode, stored_coding
+from spmd.data.data_config import SourceSections
 from spmd.data.file_index import FileIndex, load_index
 from spmd.data.member_leases import MemberLeases
 from spmd.data.order import BlockOrder, EpochOrder, make_order
@@ -137,37 +138,37 @@ class ArraySource(RecordReads, MemberLeases):
         return self.fields_key if self.fields_key.startswith("--") else f"{self.fields_key}.{name}"
 
     @classmethod
-    def from_config(cls, cfg: Any, split: str, fields: Mapping[str, BatchField],
-                    defaults: Mapping[str, str], *, shuffle: bool,
-                    count: int | None = None) -> ArraySource:
+    def from_sections(cls, sections: SourceSections, split: str,
+                      fields: Mapping[str, BatchField], defaults: Mapping[str, str], *,
+                      shuffle: bool, count: int | None = None) -> ArraySource:
         """Split `split` of the config's data.path: each field's dataset path from
         data.fields (else `defaults`), with "{split}" filled in; seeded with train.seed.
         Reads ahead data.prefetch batches with data.read_threads threads: the train split
         up to train.steps, another split up to data.eval_batches."""
-        if cfg.data.path is None:
-            raise ArrayDataError(f"data.path is not set: the task {cfg.task} reads its "
+        d = sections.data
+        if d.path is None:
+            raise ArrayDataError(f"data.path is not set: the task {sections.task} reads its "
                                  f"fields from a file (made by `spmd data make CONFIG`)")
-        unknown = sorted(set(cfg.data.fields) - set(fields))
+        unknown = sorted(set(d.fields) - set(fields))
         if unknown:
             raise ArrayDataError(f"data.fields names {unknown}, which are not batch fields "
-                                 f"of the task {cfg.task} (its fields: {sorted(fields)})")
-        named = {name: cfg.data.fields.get(name) or defaults[name] for name in fields}
+                                 f"of the task {sections.task} (its fields: {sorted(fields)})")
+        named = {name: d.fields.get(name) or defaults[name] for name in fields}
         same = sorted(name for name, path in named.items() if "{split}" not in path)
         if same and split != "train":
-            key = (f"data.fields.{same[0]}" if cfg.data.fields.get(same[0])
+            key = (f"data.fields.{same[0]}" if d.fields.get(same[0])
                    else f"the task's dataset path for '{same[0]}'")
             raise ArrayDataError(
                 f"{key}={named[same[0]]} has no {{split}}: the {split} split would read the "
                 f"train split's records; store the splits in groups and write the path as "
-                f"{{split}}/<name> (data.path={cfg.data.path})")
+                f"{{split}}/<name> (data.path={d.path})")
         paths = {name: path.format(split=split) for name, path in named.items()}
-        until = cfg.train.steps if split == "train" else cfg.data.eval_batches
-        return cls(cfg.data.path, paths, fields, cfg.train.batch_size, seed=cfg.train.seed,
+        until = sections.steps if split == "train" else d.eval_batches
+        return cls(d.path, paths, fields, sections.batch_size, seed=sections.seed,
                    shuffle=shuffle, count=count,
-                   prefetch=getattr(cfg.data, "prefetch", 0),
-                   read_threads=getattr(cfg.data, "read_threads", 1), prefetch_until=until,
-                   shuffle_block=getattr(cfg.data, "shuffle_block", "auto"),
-                   shuffle_mix=getattr(cfg.data, "shuffle_mix", 16))
+                   prefetch=d.prefetch,
+                   read_threads=d.read_threads, prefetch_until=until,
+                   shuffle_block=d.shuffle_block, shuffle_mix=d.shuffle_mix)
 
     # --------------------------------------------------------- checks
 

@@ -7,8 +7,10 @@ imports nothing of spmd (pydantic only); `spmd.config` assembles it into the run
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -163,3 +165,24 @@ class DataConfig(BaseModel):
         "replaced by data.nan_fill (fill); or is replaced and the task gets a mask field, 1 "
         "where valid, that its loss weights with (mask).")
     nan_fill: float = Field(0.0, description="The value NaNs become with data.nan: fill or mask.")
+
+
+@dataclass(frozen=True)
+class SourceSections:
+    """What a data source reads of a run's config, and nothing else: the `data:` section
+    and, of `train:`, the batch size, the seed of the train order and the number of steps
+    (how far the train split reads ahead). `task` names the task in a source's errors.
+
+    `Config.source_sections()` builds it, in one place, as `Config.engine_sections()` builds
+    the engine's: the batch size reaches the sources by this route only. A test or a tool
+    without a run config builds one by hand."""
+
+    data: DataConfig
+    batch_size: int
+    seed: int = 0
+    steps: int = 1
+    task: str = "(unnamed)"
+
+    def replace(self, **changes: Any) -> SourceSections:
+        """A copy with `changes` (`spmd predict`: another path, another batch size)."""
+        return dataclasses.replace(self, **changes)

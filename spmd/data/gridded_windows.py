@@ -51,6 +51,7 @@ from spmd.data.batch import BatchField
 from spmd.data.calendars import AXIS
 from spmd.data.cf_decode import decode
 from spmd.data.channels import Channel, channel_table, parse_channels
+from spmd.data.data_config import SourceSections
 from spmd.data.forecast_grid import ForecastGrid, forecast_grid
 from spmd.data.gridded_reads import GriddedReader
 from spmd.data.gridded_timeline import Timeline, build_timeline
@@ -125,28 +126,29 @@ class GriddedWindowSource(ArraySource):
                          shuffle_mix=shuffle_mix)
 
     @classmethod
-    def from_config(cls, cfg: Any, split: str, fields: Mapping[str, BatchField], *,
-                    input_name: str, target_name: str, mask_name: str | None = None,
-                    shuffle: bool, target_steps: int | None = None, count: int | None = None,
-                    nan_fill: Sequence[float] | None = None,
-                    config_key: str = "data.path") -> GriddedWindowSource:
+    def from_sections(cls, sections: SourceSections, split: str,
+                      fields: Mapping[str, BatchField], *, input_name: str, target_name: str,
+                      mask_name: str | None = None, shuffle: bool,
+                      target_steps: int | None = None, count: int | None = None,
+                      nan_fill: Sequence[float] | None = None,
+                      config_key: str = "data.path") -> GriddedWindowSource:
         """Split `split` (data.splits.<split>) of data.path's files, the channels of
         data.variables, windows of data.window (`target_steps` overrides), seeded with
-        train.seed, read ahead as ArraySource.from_config says. `nan_fill` (one value per
+        train.seed, read ahead as ArraySource.from_sections says. `nan_fill` (one value per
         channel) overrides data.nan_fill."""
-        d = cfg.data
+        d = sections.data
         if d.path is None:
-            raise ArrayDataError(f"data.path is not set: the task {cfg.task} reads gridded "
+            raise ArrayDataError(f"data.path is not set: the task {sections.task} reads gridded "
                                  f"files (NetCDF4 files, a directory or glob of them, or a "
                                  f"Zarr store)")
         if d.window is None:
-            raise ArrayDataError(f"data.window is not set: the task {cfg.task} trains on time "
+            raise ArrayDataError(f"data.window is not set: the task {sections.task} trains on time "
                                  f"windows; set data.window.input_steps, target_steps, stride")
         splits = {k: v.model_dump() if hasattr(v, "model_dump") else v
                   for k, v in (d.splits or {}).items()}
         require_split(splits, split)      # the dates are read once the calendar is known
-        until = cfg.train.steps if split == "train" else d.eval_batches
-        return cls(d.path, parse_channels(d.variables), fields, cfg.train.batch_size,
+        until = sections.steps if split == "train" else d.eval_batches
+        return cls(d.path, parse_channels(d.variables), fields, sections.batch_size,
                    input_name=input_name, target_name=target_name,
                    mask_name=mask_name,
                    constants=list(d.constants), input_steps=d.window.input_steps,
@@ -156,7 +158,7 @@ class GriddedWindowSource(ArraySource):
                    time_gaps=d.time_gaps, latitude_order=d.latitude_order, nan=d.nan,
                    nan_fill=d.nan_fill if nan_fill is None else nan_fill,
                    standardize_constants=d.normalize,
-                   seed=cfg.train.seed, shuffle=shuffle, count=count,
+                   seed=sections.seed, shuffle=shuffle, count=count,
                    prefetch=d.prefetch, read_threads=d.read_threads, prefetch_until=until,
                    shuffle_block=d.shuffle_block, shuffle_mix=d.shuffle_mix,
                    config_key=config_key)

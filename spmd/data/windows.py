@@ -51,6 +51,7 @@ import numpy as np
 from spmd.data.arrays import ArraySource, Region
 from spmd.data.batch import BatchField
 from spmd.data.cf_decode import decode
+from spmd.data.data_config import SourceSections
 from spmd.data.stores import ArrayDataError
 
 __all__ = ["LAYOUTS", "WindowSource"]
@@ -130,33 +131,34 @@ class WindowSource(ArraySource):
         return frames[self.input_name]
 
     @classmethod
-    def from_config(cls, cfg: Any, split: str, fields: Mapping[str, BatchField],
-                    dataset: str, *, input_name: str, target_name: str,
-                    layout: Literal["channels", "time"] = "channels", shuffle: bool,
-                    target_steps: int | None = None,
-                    count: int | None = None) -> WindowSource:
+    def from_sections(cls, sections: SourceSections, split: str,
+                      fields: Mapping[str, BatchField], dataset: str, *, input_name: str,
+                      target_name: str, layout: Literal["channels", "time"] = "channels",
+                      shuffle: bool, target_steps: int | None = None,
+                      count: int | None = None) -> WindowSource:
         """Windows of split `split`: trajectories at `dataset` ("{split}" filled in; or
         data.fields.<input_name>) in data.path, steps and stride from data.window
         (`target_steps` overrides, e.g. for longer rollouts on the test split), seeded with
-        train.seed, read ahead as ArraySource.from_config says."""
-        if cfg.data.path is None:
-            raise ArrayDataError(f"data.path is not set: the task {cfg.task} reads "
+        train.seed, read ahead as ArraySource.from_sections says."""
+        d = sections.data
+        if d.path is None:
+            raise ArrayDataError(f"data.path is not set: the task {sections.task} reads "
                                  f"trajectories from a file (made by `spmd data make CONFIG`)")
-        if getattr(cfg.data, "variables", None) is not None:
+        if d.variables is not None:
             raise ArrayDataError(
-                f"data.variables is set, but the task {cfg.task} reads stored arrays "
+                f"data.variables is set, but the task {sections.task} reads stored arrays "
                 f"(data.fields); gridded files need a task built on "
                 f"spmd.tasks.gridded_task.GriddedTrajectoryTask (or unset data.variables)")
-        window = cfg.data.window
+        window = d.window
         if window is None:
-            raise ArrayDataError(f"data.window is not set: the task {cfg.task} trains on time "
+            raise ArrayDataError(f"data.window is not set: the task {sections.task} trains on time "
                                  f"windows of trajectories; set data.window.input_steps, "
                                  f"data.window.target_steps and data.window.stride")
-        named = dict(cfg.data.fields)
+        named = dict(d.fields)
         unknown = sorted(set(named) - set(fields))
         if unknown:
             raise ArrayDataError(f"data.fields names {unknown}, which are not batch fields "
-                                 f"of the task {cfg.task} (its fields: {sorted(fields)})")
+                                 f"of the task {sections.task} (its fields: {sorted(fields)})")
         path = named.get(input_name) or dataset
         if named.get(target_name) and named[target_name] != path:
             raise ArrayDataError(
@@ -169,16 +171,15 @@ class WindowSource(ArraySource):
                 f"read the train split's trajectories; store the splits in groups and write "
                 f"the path as {{split}}/<name>, or give gridded files data.variables and "
                 f"data.splits (time ranges)")
-        until = cfg.train.steps if split == "train" else cfg.data.eval_batches
-        return cls(cfg.data.path, path.format(split=split), fields, cfg.train.batch_size,
+        until = sections.steps if split == "train" else d.eval_batches
+        return cls(d.path, path.format(split=split), fields, sections.batch_size,
                    input_name=input_name, target_name=target_name,
                    input_steps=window.input_steps,
                    target_steps=window.target_steps if target_steps is None else target_steps,
-                   stride=window.stride, layout=layout, seed=cfg.train.seed, shuffle=shuffle,
-                   count=count, prefetch=getattr(cfg.data, "prefetch", 0),
-                   read_threads=getattr(cfg.data, "read_threads", 1), prefetch_until=until,
-                   shuffle_block=getattr(cfg.data, "shuffle_block", "auto"),
-                   shuffle_mix=getattr(cfg.data, "shuffle_mix", 16))
+                   stride=window.stride, layout=layout, seed=sections.seed, shuffle=shuffle,
+                   count=count, prefetch=d.prefetch,
+                   read_threads=d.read_threads, prefetch_until=until,
+                   shuffle_block=d.shuffle_block, shuffle_mix=d.shuffle_mix)
 
     # --------------------------------------------------------- the windows
 

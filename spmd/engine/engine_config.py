@@ -6,13 +6,13 @@ from spmd.optim).
 They live here, next to the mesh, state and step code; this module imports nothing of spmd
 but spmd.optim's sections (pydantic only, no JAX), so a login node can validate a config.
 `spmd.config` assembles them into the run's `Config`; the engine is handed
-`EngineSections.of(cfg)`, never the whole `Config`.
+`cfg.engine_sections()`, never the whole `Config`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -105,14 +105,10 @@ class TrainConfig(BaseModel):
 
 @dataclass(frozen=True)
 class EngineSections:
-    """The config sections the engine reads, and nothing else of the run's `Config`."""
+    """The config sections the engine reads, and nothing else of the run's `Config`
+    (`Config.engine_sections()` builds it)."""
 
     mesh: MeshConfig
     train: TrainConfig
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
-
-    @classmethod
-    def of(cls, cfg: Any) -> EngineSections:
-        """The engine's sections of a run's `Config` (anything with these four sections)."""
-        return cls(cfg.mesh, cfg.train, cfg.optimizer, cfg.schedule)

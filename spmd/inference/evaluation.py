@@ -17,7 +17,6 @@ every eval batch: WeatherBench2's RMSE, the model's next to persistence's (docs/
 from __future__ import annotations
 
 from spmd.config.load import build_task
-from spmd.engine.engine_config import EngineSections
 from spmd.engine.runtime import build_runtime
 from spmd.errors import SpmdError
 from spmd.inference.loading import Trained
@@ -45,7 +44,7 @@ def evaluate_split(trained: Trained, split: str = "test",
         raise SpmdError(f"--split {split}: task {cfg.task} evaluates with its own batch layout "
                         f"(eval_batch_fields(), e.g. rollout targets) on its test split "
                         f"only; use --split test")
-    rt = build_runtime(EngineSections.of(cfg), trained.mesh, task)
+    rt = build_runtime(cfg.engine_sections(), trained.mesh, task)
     assert rt.eval_step is not None
     source = task.eval_source() if split == "test" else task.train_source()
     return finish_scores(evaluate(rt, trained.params, None, source, max_batches=max_batches))

@@ -96,9 +96,9 @@ class FieldTask(Task[ModelCfg]):
 
     def _source(self, split: str, shuffle: bool) -> ArraySource:
         d = self.cfg.data
-        return ArraySource.from_config(self.cfg, split, self.batch_fields(), self.dataset_paths(),
-                                       shuffle=shuffle,
-                                       count=d.num_train if split == "train" else d.num_test)
+        return ArraySource.from_sections(
+            self.cfg.source_sections(), split, self.batch_fields(), self.dataset_paths(),
+            shuffle=shuffle, count=d.num_train if split == "train" else d.num_test)
 
     def make_data(self, *, workers: int = 1, force: bool = False, **options) -> str:
         """`spmd data make`: write both splits to data.path (atomically) unless present."""

@@ -138,9 +138,9 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
                 fill = self.normalization()[0]
             except ArrayDataError:              # no statistics yet (`spmd data stats`): the
                 fill = None                     # loss asks for them again, and fails there
-        return GriddedWindowSource.from_config(
-            self.cfg, split, fields, input_name=self.input_name, target_name=self.target_name,
-            mask_name=self.mask_name if d.nan == "mask" else None,
+        return GriddedWindowSource.from_sections(
+            self.cfg.source_sections(), split, fields, input_name=self.input_name,
+            target_name=self.target_name, mask_name=self.mask_name if d.nan == "mask" else None,
             shuffle=shuffle, target_steps=target_steps, nan_fill=fill)
 
     def prediction_source(self, path: Path, split: str, batch_size: int
@@ -151,12 +151,12 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
         target step each, NaN filled as in training with the run's statistics."""
         d = self.cfg.data
         splits = {"all": {}} if split == "all" else d.splits
-        cfg = self.cfg.model_copy(update={
-            "data": d.model_copy(update={"path": str(path), "splits": splits}),
-            "train": self.cfg.train.model_copy(update={"batch_size": int(batch_size)})})
+        sections = self.cfg.source_sections().replace(
+            data=d.model_copy(update={"path": str(path), "splits": splits}),
+            batch_size=int(batch_size))
         fill = self.normalization()[0] if d.normalize and d.nan != "error" else None
-        return GriddedWindowSource.from_config(
-            cfg, split, self._fields(1), input_name=self.input_name,
+        return GriddedWindowSource.from_sections(
+            sections, split, self._fields(1), input_name=self.input_name,
             target_name=self.target_name,
             mask_name=self.mask_name if d.nan == "mask" else None, shuffle=False,
             target_steps=1, nan_fill=fill, config_key="--input")

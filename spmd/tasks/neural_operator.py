@@ -23,6 +23,7 @@ from pydantic import Field, model_validator
 from spmd.data.arrays import ArraySource
 from spmd.data.batch import BatchField
 from spmd.data.darcy import make_darcy_dataset
+from spmd.data.data_config import DataConfig
 from spmd.data.field_files import (
     DatasetError,
     FieldsInfo,
@@ -43,18 +44,18 @@ log = logging.getLogger("spmd.tasks.neural_operator")
 DATASETS = {"a": "{split}/a", "u": "{split}/u"}
 
 
-def dataset_path(cfg) -> Path:
+def dataset_path(model: FnoConfig, data: DataConfig) -> Path:
     """The dataset file of an operator config, or an error naming the keys to set."""
-    if cfg.data.source != "hdf5" or cfg.data.path is None:
+    if data.source != "hdf5" or data.path is None:
         raise DatasetError(
-            f"model.name={cfg.model.name} trains on fields from an HDF5 file: set "
+            f"model.name={model.name} trains on fields from an HDF5 file: set "
             f"data.source=hdf5 and data.path=FILE (made by `spmd data make` if missing); "
-            f"got data.source={cfg.data.source}, data.path={cfg.data.path}"
+            f"got data.source={data.source}, data.path={data.path}"
         )
-    path = Path(cfg.data.path)
+    path = Path(data.path)
     if path.is_dir() or any(c in str(path) for c in "*?["):
         raise DatasetError(
-            f"model.name={cfg.model.name} trains on one HDF5 fields file made by `spmd data "
+            f"model.name={model.name} trains on one HDF5 fields file made by `spmd data "
             f"make` (its solver parameters and statistics are per file); data.path={path} "
             f"is a {'directory' if path.is_dir() else 'glob'}. Point data.path at one file, "
             f"or train many files with a spmd.FieldTask of your own (it reads directories and "
@@ -63,14 +64,14 @@ def dataset_path(cfg) -> Path:
     return path
 
 
-def make_dataset(cfg, *, workers: int = 1, in_threads: bool = False,
+def make_dataset(model: FnoConfig, data: DataConfig, *, workers: int = 1, in_threads: bool = False,
                  compression: str | None = None) -> FieldsInfo:
     """`spmd data make`: solve the PDE for the config's sizes and write data.path atomically
     (`workers` solver processes, or threads `in_threads`: inside a rank, spmd.data.field_files)."""
-    path = dataset_path(cfg)
-    total = cfg.data.num_train + cfg.data.num_test
+    path = dataset_path(model, data)
+    total = data.num_train + data.num_test
     log.info("making %s: %d Darcy problems on a %dx%d grid (seed %d)", path, total,
-             cfg.model.grid, cfg.model.grid, cfg.data.seed)
+             model.grid, model.grid, data.seed)
     started, marks = time.perf_counter(), set()
 
     def progress(done: int, total: int) -> None:
@@ -80,8 +81,8 @@ def make_dataset(cfg, *, workers: int = 1, in_threads: bool = False,
             log.info("  %d/%d samples, %.1fs", done, total, time.perf_counter() - started)
 
     info = make_darcy_dataset(
-        path, grid=cfg.model.grid, num_train=cfg.data.num_train, num_test=cfg.data.num_test,
-        seed=cfg.data.seed, solver=cfg.data.solver, workers=workers, in_threads=in_threads,
+        path, grid=model.grid, num_train=data.num_train, num_test=data.num_test,
+        seed=data.seed, solver=data.solver, workers=workers, in_threads=in_threads,
         compression=compression,
         progress=progress,
     )
@@ -89,10 +90,10 @@ def make_dataset(cfg, *, workers: int = 1, in_threads: bool = False,
     return info
 
 
-def validate_dataset(cfg) -> FieldsInfo:
+def validate_dataset(model: FnoConfig, data: DataConfig) -> FieldsInfo:
     """The dataset file checked against model.grid, channels and data.num_* (or an error)."""
-    m, d = cfg.model, cfg.data
-    info = inspect_fields(dataset_path(cfg))
+    m, d = model, data
+    info = inspect_fields(dataset_path(model, data))
     check_fields(info, grid=m.grid, in_channels=m.in_channels, out_channels=m.out_channels,
                  num_train=d.num_train, num_test=d.num_test)
     return info
@@ -149,29 +150,30 @@ class OperatorTask(Task[FnoConfig]):
     def make_data(self, *, workers: int = 1, force: bool = False,
                   compression: str | None = None, **options) -> str:
         """`spmd data make`: solve the Darcy problems and write data.path (atomic rename)."""
-        path = dataset_path(self.cfg)
+        path = dataset_path(self.model_cfg, self.cfg.data)
         if path.exists() and not force:
-            return f"{describe(validate_dataset(self.cfg))} exists and fits the config"
-        return describe(make_dataset(self.cfg, workers=workers, compression=compression))
+            return f"{describe(self._info)} exists and fits the config"
+        return describe(make_dataset(self.model_cfg, self.cfg.data, workers=workers,
+                                     compression=compression))
 
     def describe_data(self) -> str:
-        return (f"{describe(validate_dataset(self.cfg))}; train order: "
+        return (f"{describe(self._info)}; train order: "
                 f"{self.train_source().index.describe()}")
 
     def prepare(self, is_coordinator: bool) -> None:
         """Rank 0 makes a missing dataset; every rank that sees the file validates it."""
-        path = dataset_path(self.cfg)
+        path = dataset_path(self.model_cfg, self.cfg.data)
         if is_coordinator and not path.exists():
             workers = available_cpus()   # the other ranks wait: use this rank's CPUs
             log.info("data.path %s is missing: making it now with %d solver thread(s) (as "
                      "`spmd data make --workers %d` would)", path, workers, workers)
-            make_dataset(self.cfg, workers=workers, in_threads=True)
+            make_dataset(self.model_cfg, self.cfg.data, workers=workers, in_threads=True)
         if path.exists():
             _ = self._info  # other ranks validate after the barrier, when sources are made
 
     @functools.cached_property
     def _info(self) -> FieldsInfo:
-        return validate_dataset(self.cfg)
+        return validate_dataset(self.model_cfg, self.cfg.data)
 
     @functools.cached_property
     def stats(self) -> dict[str, FieldStats]:
@@ -179,8 +181,9 @@ class OperatorTask(Task[FnoConfig]):
 
     def _source(self, split: str, count: int, shuffle: bool) -> ArraySource:
         _ = self._info  # the fields file validated against the config first
-        return ArraySource.from_config(self.cfg, split, self.batch_fields(), DATASETS,
-                                       shuffle=shuffle, count=count)
+        return ArraySource.from_sections(self.cfg.source_sections(), split,
+                                         self.batch_fields(), DATASETS, shuffle=shuffle,
+                                         count=count)
 
     def train_source(self) -> ArraySource:
         return self._source("train", self.cfg.data.num_train, shuffle=True)

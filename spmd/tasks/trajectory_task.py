@@ -168,10 +168,10 @@ class TrajectoryTask(Task[ModelCfg]):
     def _source(self, split: str, shuffle: bool, target_steps: int | None = None
                 ) -> WindowSource:
         fields = self.batch_fields() if target_steps is None else self._fields(target_steps)
-        return WindowSource.from_config(self.cfg, split, fields, f"{{split}}/{self.state_name}",
-                                        input_name=self.input_name,
-                                        target_name=self.target_name, layout="channels",
-                                        shuffle=shuffle, target_steps=target_steps)
+        return WindowSource.from_sections(
+            self.cfg.source_sections(), split, fields, f"{{split}}/{self.state_name}",
+            input_name=self.input_name, target_name=self.target_name, layout="channels",
+            shuffle=shuffle, target_steps=target_steps)
 
     def train_source(self) -> WindowSource:
         return self._source("train", shuffle=True)

@@ -171,13 +171,12 @@ def main(argv: list[str]) -> int:
     from spmd.checkpoint import create_checkpointer
     from spmd.checkpoint.layout import leaf_paths
     from spmd.comm.host_gather import gather_to_host
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
     from spmd.rundir.metrics import EventLog
 
     mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
-    rt = build_runtime(EngineSections.of(cfg), mesh, build_task(cfg))
+    rt = build_runtime(cfg.engine_sections(), mesh, build_task(cfg))
     if out.startswith("@"):
         pairs = [(Path(r), Path(o)) for r, o in json.loads(Path(out[1:]).read_text())]
     else:

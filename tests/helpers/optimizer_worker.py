@@ -28,7 +28,6 @@ def main(argv: list[str]) -> int:
     import jax
 
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
     from spmd.optim import OPTIMIZERS
@@ -41,7 +40,7 @@ def main(argv: list[str]) -> int:
                                    "optimizer.weight_decay=0.01", "mesh.strategy=fsdp",
                                    "mesh.fsdp_min_bytes=0", "run.progress=false", *extra])
         mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
-        rt = build_runtime(EngineSections.of(cfg), mesh, build_task(cfg))
+        rt = build_runtime(cfg.engine_sections(), mesh, build_task(cfg))
         state, source, losses = rt.init(), rt.task.train_source(), []
         for step in range(STEPS):
             state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))

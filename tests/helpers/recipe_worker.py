@@ -39,14 +39,13 @@ def main(argv: list[str]) -> int:
 
     from spmd.comm.host_gather import gather_to_host
     from spmd.config.load import build_task, load_config
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.mesh import build_mesh
     from spmd.engine.runtime import build_runtime
 
     def train(overrides: list[str]):
         cfg = load_config(CONFIG, overrides)
         mesh = build_mesh(cfg.mesh, jax.devices(), env.node_of_rank)
-        rt = build_runtime(EngineSections.of(cfg), mesh, build_task(cfg))
+        rt = build_runtime(cfg.engine_sections(), mesh, build_task(cfg))
         state, source, losses = rt.init(), rt.task.train_source(), []
         for step in range(STEPS):
             state, metrics = rt.train_step(state, rt.feed.global_batch(source, step))

@@ -29,10 +29,9 @@ def runtime_for(cfg, mesh, task=None):
     """The engine's runtime of a run config on `mesh`, split as the trainer splits it: the
     task built from the config (or `task`), the engine handed its own sections only."""
     from spmd.config import build_task
-    from spmd.engine.engine_config import EngineSections
     from spmd.engine.runtime import build_runtime
 
-    return build_runtime(EngineSections.of(cfg), mesh, task if task is not None else
+    return build_runtime(cfg.engine_sections(), mesh, task if task is not None else
                          build_task(cfg))
 
 

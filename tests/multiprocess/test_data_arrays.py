@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from spmd.config.schema import Config, DataConfig, TrainConfig
+from spmd.config.schema import DataConfig
 from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
+from spmd.data.data_config import SourceSections
 from tests.helpers.env import REPO, clean_env, mpiexec_path
 
 N, BATCH, GRID = 24, 8, 16
@@ -109,15 +110,14 @@ def test_shape_mismatch_names_dataset_field_and_key(store):
 
 def test_config_fields_override_the_task_defaults(store):
     """data.fields.<field> (with {split}) replaces a task's default dataset path."""
-    cfg = Config(data=DataConfig(path=store, fields={"u0": "{split}/u1"}),
-                 train=TrainConfig(batch_size=BATCH))
+    cfg = SourceSections(DataConfig(path=store, fields={"u0": "{split}/u1"}), BATCH)
     fields = {"u0": FIELDS["u1"]}
-    src = ArraySource.from_config(cfg, "train", fields, {"u0": "{split}/u0"}, shuffle=False)
+    src = ArraySource.from_sections(cfg, "train", fields, {"u0": "{split}/u0"}, shuffle=False)
     assert src.datasets == {"u0": "train/u1"}
     np.testing.assert_array_equal(src.rows(0, 0, 2)["u0"], arrays()["train/u1"][:2])
-    bad = Config(data=DataConfig(path=store, fields={"v": "x"}))
+    bad = SourceSections(DataConfig(path=store, fields={"v": "x"}), BATCH)
     with pytest.raises(ArrayDataError, match=r"data.fields names \['v'\]"):
-        ArraySource.from_config(bad, "train", fields, {"u0": "{split}/u0"}, shuffle=False)
+        ArraySource.from_sections(bad, "train", fields, {"u0": "{split}/u0"}, shuffle=False)
 
 
 def test_feed_reads_only_each_process_slab_under_spatial(tmp_path):

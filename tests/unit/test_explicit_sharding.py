@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import spmd
 from spmd.config.load import build_task, load_config
 from spmd.engine.axis_rules import axis_rules
-from spmd.engine.engine_config import EngineSections, MeshConfig
+from spmd.engine.engine_config import MeshConfig
 from spmd.engine.mesh import build_mesh, is_explicit, physical_axis_rules
 from spmd.engine.model_errors import ModelError
 from spmd.engine.runtime import build_runtime
@@ -103,7 +103,7 @@ def test_a_mesh_axis_the_mesh_lacks_is_named_with_the_fix(workdir):
 def test_on_an_auto_mesh_the_framed_error_says_to_set_axis_types(workdir):
     cfg = config(workdir, "mesh.strategy=fsdp", "mesh.axis_types=auto",
                  "mesh.rules.fsdp=fsdp", "mesh.rules.tensor=tensor")   # the attempt
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()),
                        build_task(cfg))
     with pytest.raises(ModelError) as e:
         rt.train_step.lower(rt.state.abstract, rt.abstract_batch())
@@ -218,7 +218,7 @@ def test_a_model_written_for_auto_under_explicit_gets_a_hint_to_go_back():
 
     cfg = load(REPO / "configs" / "transformer_tiny.yaml",
                ["mesh.strategy=fsdp_tp", "mesh.axis_types=explicit"])
-    rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()),
+    rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()),
                        build_task(cfg))
     with pytest.raises(ModelError) as e:
         rt.train_step.lower(rt.state.abstract, rt.abstract_batch())

@@ -49,16 +49,14 @@ def test_plain_variable_reads_as_xarray(tmp_path, fmt, name):
 
 
 def test_dataset_path_without_split_refused_for_the_test_split(tmp_path):
-    from spmd.config.schema import Config, TrainConfig
-    from spmd.data.data_config import DataConfig
+    from spmd.data.data_config import DataConfig, SourceSections
 
     path = write(tmp_path / "f.nc", "netcdf", packed=False)
-    cfg = Config(data=DataConfig(path=path, fields={"u": "train/u"}),
-                 train=TrainConfig(batch_size=2, steps=1))
+    cfg = SourceSections(DataConfig(path=path, fields={"u": "train/u"}), batch_size=2)
     defaults = {"a": "{split}/a", "u": "{split}/u"}
-    train = ArraySource.from_config(cfg, "train", FIELDS, defaults, shuffle=False)
+    train = ArraySource.from_sections(cfg, "train", FIELDS, defaults, shuffle=False)
     assert train.count == 6                                  # train reads train/u as asked
     with pytest.raises(ArrayDataError) as e:
-        ArraySource.from_config(cfg, "test", FIELDS, defaults, shuffle=False)
+        ArraySource.from_sections(cfg, "test", FIELDS, defaults, shuffle=False)
     msg = one_line(e)
     assert "data.fields.u=train/u has no {split}" in msg and "test split" in msg

@@ -8,6 +8,7 @@ parent folder) leaks into the package, in an editable install or a regular one.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -143,6 +144,32 @@ def test_no_import_circle_between_modules():
     circles = cycles(import_edges(package_modules(REPO)))
     assert not circles, "modules that import each other, directly or not:\n" + "\n".join(
         " <-> ".join(circle) for circle in circles)
+
+
+WHOLE_CONFIG = re.compile(r"\bConfig\b")
+
+
+def test_no_layer_below_the_tasks_takes_the_whole_config():
+    """The run's `Config` stops at spmd.tasks (`Task.cfg`, user API): below it, a data
+    source takes `SourceSections` (`Config.source_sections()`), as the engine takes
+    `EngineSections`. No function of a lower layer has a parameter typed `Config`, nor a
+    `cfg` that is `Any` or untyped and so may stand for one."""
+    below = layer_of("spmd.tasks")
+    offenders = []
+    for module, path in package_modules(REPO).items():
+        if layer_of(module) >= below:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
+                note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if WHOLE_CONFIG.search(note) or (arg.arg == "cfg" and note in ("", "Any")):
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.name}"
+                                     f"({arg.arg}: {note or 'untyped'})")
+    assert not offenders, ("below spmd.tasks, take the sections you read, not the whole "
+                           "Config:\n" + "\n".join(offenders))
 
 
 def package_of(module: str) -> str:

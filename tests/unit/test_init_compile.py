@@ -20,7 +20,7 @@ from spmd.engine.engine_config import EngineSections
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import build_runtime
 cfg = load_config(sys.argv[1], ["mesh.strategy=fsdp_tp"])
-rt = build_runtime(EngineSections.of(cfg), build_mesh(cfg.mesh, jax.devices()), build_task(cfg))
+rt = build_runtime(cfg.engine_sections(), build_mesh(cfg.mesh, jax.devices()), build_task(cfg))
 once, default = rt.init(), rt.init.jitted()
 pairs = list(zip(jax.tree.leaves(once), jax.tree.leaves(default), strict=True))
 assert len(pairs) > 10 and all(np.array_equal(a, b) for a, b in pairs), "init bits differ"

@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from spmd.config.schema import Config, DataConfig, MeshConfig, TrainConfig
+from spmd.config.schema import DataConfig, MeshConfig
 from spmd.data import ArrayDataError, ArraySource, BatchField, file_index, stores, write_arrays
+from spmd.data.data_config import SourceSections
 from spmd.data.feed import BatchFeed
 from spmd.data.file_index import INDEX_NAME, data_exists
 from spmd.data.order import auto_block
@@ -192,18 +193,18 @@ def test_errors_name_the_file_the_dataset_and_the_key(tmp_path):
 def test_config_path_may_be_a_directory_or_a_glob(tmp_path):
     write_parts(tmp_path, "hdf5")
     for path in (tmp_path, tmp_path / "part*.h5"):
-        cfg = Config(data=DataConfig(path=path, prefetch=3, read_threads=2, shuffle_block=4,
-                                     shuffle_mix=3),
-                     train=TrainConfig(batch_size=BATCH, steps=5))
-        src = ArraySource.from_config(cfg, "train", FIELDS, {"u0": "{split}/u0",
+        cfg = SourceSections(DataConfig(path=path, prefetch=3, read_threads=2,
+                                        shuffle_block=4, shuffle_mix=3),
+                             batch_size=BATCH, steps=5)
+        src = ArraySource.from_sections(cfg, "train", FIELDS, {"u0": "{split}/u0",
                                                              "u1": "{split}/u1"}, shuffle=True)
         assert src.count == N and (src.prefetch, src.read_threads) == (3, 2)
         assert src.prefetch_until == 5 and src.shuffle_block == 4
         assert type(src.index).__name__ == "BlockOrder"
         assert (src.index.block, src.index.mix) == (4, 3)
     for block, kind in (("full", "EpochOrder"), (None, "EpochOrder"), ("auto", "BlockOrder")):
-        cfg = Config(data=DataConfig(path=tmp_path, shuffle_block=block))
-        src = ArraySource.from_config(cfg, "train", FIELDS, {"u0": "{split}/u0",
+        cfg = SourceSections(DataConfig(path=tmp_path, shuffle_block=block), BATCH)
+        src = ArraySource.from_sections(cfg, "train", FIELDS, {"u0": "{split}/u0",
                                                              "u1": "{split}/u1"}, shuffle=True)
         assert type(src.index).__name__ == kind, block
     assert src.index.block == auto_block(src.record_bytes) and src.index.mix == 16

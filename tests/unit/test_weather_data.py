@@ -513,21 +513,20 @@ def test_data_info_says_what_it_knows_of_nan(tmp_path):
 
 
 def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
-    from spmd.config.schema import Config, TrainConfig
+    from spmd.data.data_config import SourceSections
     from spmd.data.windows import WindowSource
 
-    cfg = Config(data=DataConfig(path=tmp_path / "x.h5", fields={"u": "w"},
-                                 window=WindowConfig()),
-                 train=TrainConfig(batch_size=2, steps=1))
+    cfg = SourceSections(DataConfig(path=tmp_path / "x.h5", fields={"u": "w"},
+                                    window=WindowConfig()), batch_size=2)
     fields = {n: BatchField((4, 1), np.float32, ("batch", "x", "channels")) for n in "uv"}
     kw = {"input_name": "u", "target_name": "v", "shuffle": False}
-    WindowSource.from_config(cfg, "train", fields, "{split}/w", **kw)     # train reads "w"
+    WindowSource.from_sections(cfg, "train", fields, "{split}/w", **kw)     # train reads "w"
     with pytest.raises(ArrayDataError) as e:
-        WindowSource.from_config(cfg, "test", fields, "{split}/w", **kw)
+        WindowSource.from_sections(cfg, "test", fields, "{split}/w", **kw)
     assert "data.fields.u=w has no {split}" in one_line(e)
-    gridded = cfg.model_copy(update={"data": cfg.data.model_copy(update={"variables": ["w"]})})
+    gridded = cfg.replace(data=cfg.data.model_copy(update={"variables": ["w"]}))
     with pytest.raises(ArrayDataError, match="data.variables is set, but the task"):
-        WindowSource.from_config(gridded, "train", fields, "{split}/w", **kw)
+        WindowSource.from_sections(gridded, "train", fields, "{split}/w", **kw)
 
 
 def test_task_loss_is_latitude_weighted_and_masked(files, tmp_path):

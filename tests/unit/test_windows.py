@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import zarr
 
-from spmd.config.schema import Config, DataConfig, MeshConfig, TrainConfig, WindowConfig
+from spmd.config.schema import DataConfig, MeshConfig, WindowConfig
 from spmd.data import ArrayDataError, BatchField, file_index, stores, write_arrays
+from spmd.data.data_config import SourceSections
 from spmd.data.feed import BatchFeed
 from spmd.data.windows import WindowSource
 from spmd.engine.mesh import build_mesh
@@ -308,32 +309,32 @@ def test_a_damaged_chunk_names_file_dataset_and_window(tmp_path):
     assert (path / "train/w/c/1/4/0/0/0").read_bytes() == b"not a chunk"
 
 
-def test_from_config(tmp_path):
+def test_from_sections(tmp_path):
     traj_file(tmp_path / "d" / "a.h5", "hdf5", 2, 12)
 
-    def config(**data) -> Config:
+    def config(**data) -> SourceSections:
         window = WindowConfig(input_steps=IN, target_steps=OUT, stride=STRIDE)
-        return Config(data=DataConfig(**{"path": tmp_path / "d", "prefetch": 3,
-                                         "read_threads": 2, "window": window, **data}),
-                      train=TrainConfig(batch_size=BATCH, steps=5, seed=4))
+        return SourceSections(DataConfig(**{"path": tmp_path / "d", "prefetch": 3,
+                                            "read_threads": 2, "window": window, **data}),
+                              batch_size=BATCH, steps=5, seed=4)
 
     kw = {"input_name": "u", "target_name": "v", "layout": "time", "shuffle": True}
-    src = WindowSource.from_config(config(), "train", fields("time"), "{split}/w", **kw)
+    src = WindowSource.from_sections(config(), "train", fields("time"), "{split}/w", **kw)
     assert (src.dataset, src.count, src.prefetch, src.prefetch_until) == ("train/w", 8, 3, 5)
-    long = WindowSource.from_config(config(), "train", fields("time", target_steps=6),
+    long = WindowSource.from_sections(config(), "train", fields("time", target_steps=6),
                                     "{split}/w", target_steps=6, **kw)
     assert long.span == 8 and long.count == 6 and long.rows(0, 0, 2)["v"].shape[1] == 6
-    blocks = WindowSource.from_config(config(shuffle_block=3), "train", fields("time"),
+    blocks = WindowSource.from_sections(config(shuffle_block=3), "train", fields("time"),
                                       "{split}/w", **kw)       # windows shuffled in blocks
     order = [r for step in range(4) for r in blocks.record_indices(step, 0, BATCH)][:8]
     assert sorted(order) == list(range(8)) and blocks.index.block == 3
     with pytest.raises(ArrayDataError, match=r"'train/other' \(data\.fields\.u\)"):
-        WindowSource.from_config(config(fields={"u": "{split}/other"}), "train",
+        WindowSource.from_sections(config(fields={"u": "{split}/other"}), "train",
                                  fields("time"), "{split}/w", **kw).check()
     with pytest.raises(ArrayDataError, match=r"data\.fields\.v=.*set data\.fields\.u only"):
-        WindowSource.from_config(config(fields={"v": "{split}/other"}), "train",
+        WindowSource.from_sections(config(fields={"v": "{split}/other"}), "train",
                                  fields("time"), "{split}/w", **kw)
     with pytest.raises(ArrayDataError, match=r"data\.window is not set.*data\.window\."
                                              r"input_steps"):
-        WindowSource.from_config(config(window=None), "train", fields("time"), "{split}/w",
+        WindowSource.from_sections(config(window=None), "train", fields("time"), "{split}/w",
                                  **kw)
