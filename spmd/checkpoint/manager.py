@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,38 @@ class _Worker:
             raise err
 
 
+@dataclass
+class _Tier:
+    """One tier as the manager drives it: its store (None: the tier is off), its worker
+    (one save in flight at a time), the last step handed to it, and how many saves it ran.
+    `name` is the `tier` of its events."""
+
+    name: str
+    store: LocalTier | PersistentTier | None
+    worker: _Worker = field(init=False)
+    last: int | None = None
+    saves: int = 0
+
+    def __post_init__(self) -> None:
+        self.worker = _Worker(self.name)
+
+
+def partner_holders(ck: CheckpointConfig, node_of_rank: Sequence[int],
+                    transport: Transport | None) -> tuple[dict[int, int], str]:
+    """Which rank holds each rank's partner copy of the local tier (empty: none), and, when
+    none, why, in words for the log."""
+    if ck.every <= 0:
+        return {}, "the local tier is off"
+    if ck.partner is False or (ck.partner is None and len(set(node_of_rank)) < 2):
+        return {}, "checkpoint.partner is off"
+    holders = partner_map(node_of_rank)
+    if not holders:
+        return {}, "there is only one node (checkpoint.partner needs two)"
+    if transport is None:
+        return {}, "MPI is not available (partner copies travel over MPI point-to-point)"
+    return holders, ""
+
+
 def optional_subsets(state: Any, optional: Sequence[str]) -> list[tuple[str, ...]]:
     """Non-empty subsets of the `optional` fields `state` has (not None), fewest first: the
     fields a local copy may have been saved without."""
@@ -151,26 +184,16 @@ class HierarchicalCheckpointer:
         self.events = events
         self.policy = SavePolicy.of(ck)
         local_dir, persistent_dir = tier_dirs(ck, run_dir)
-        node_of_rank = tuple(env.node_of_rank) or tuple(range(self.size))
-        num_nodes = len(set(node_of_rank))
-        want_partner = ck.partner if ck.partner is not None else num_nodes > 1
+        # partner copies and the agreement of steps travel over MPI point-to-point
         self.transport = (Transport.create(mpi_world, self.rank, self.size, self.timeout_s)
                           if self.size > 1 and mpi_world is not None else None)
-        holder_of, why = {}, "checkpoint.partner is off" if want_partner is False else (
-            "there is only one node")
-        if ck.every > 0 and want_partner:
-            holder_of = partner_map(node_of_rank)
-            why = ("there is only one node (checkpoint.partner needs two)" if not holder_of else
-                   "MPI is not available (partner copies travel over MPI point-to-point)"
-                   if self.transport is None else "")
-            if why:
-                holder_of = {}
-                if ck.partner and self.rank == 0:
-                    log.warning("checkpoint.partner is on but no partner copies are made: %s",
-                                why)
+        node_of_rank = tuple(env.node_of_rank) or tuple(range(self.size))
+        holder_of, why = partner_holders(ck, node_of_rank, self.transport)
+        if ck.partner and why and ck.every > 0 and self.rank == 0:
+            log.warning("checkpoint.partner is on but no partner copies are made: %s", why)
         self.partner = bool(holder_of)
-        dedupe = "global" if (self.transport is not None or self.size == 1) else "process"
-        self.dedupe = dedupe
+        # which rank writes a piece that several hold: any rank of the job, or one per process
+        self.dedupe = "global" if (self.transport is not None or self.size == 1) else "process"
         self.local = (LocalTier(local_dir, self.rank, self.size, holder_of)
                       if ck.every > 0 else None)
         self.persistent = (PersistentTier(persistent_dir, self.rank, self.size,
@@ -182,19 +205,20 @@ class HierarchicalCheckpointer:
                            if self.policy.uses_persistent else None)
         self._main = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "main")
         self._local_coord = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "local")
-        self._workers = {"local": _Worker("local"), "persistent": _Worker("persistent")}
-        self._last: dict[str, int | None] = {"local": None, "persistent": None}
+        self._local_tier = _Tier("local", self.local)
+        self._persistent_tier = _Tier("persistent", self.persistent)
+        self._tiers = (self._local_tier, self._persistent_tier)
         self._layout: SaveLayout | None = None
         self._closed = False
         self.snapshotter = Snapshotter(ck.snapshot, self.rank, ck.timeout_s)
         self._created = time.perf_counter()
-        self.totals = {"blocking_s": 0.0, "waited_s": 0.0, "snapshots": 0,
-                       "saves": {"local": 0, "persistent": 0}}
+        self._blocking_s = self._waited_s = 0.0
+        self._snapshots = 0
         if self.rank == 0:
-            log.info("checkpoints: local tier %s (every %d steps, partner copies %s), persistent "
-                     "tier %s (every %d steps%s), keep %d", local_dir if self.local else "off",
-                     ck.every, "on" if self.partner else f"off: {why}",
-                     persistent_dir if self.persistent else "off", ck.persistent_every,
+            local = (f"{local_dir} (every {ck.every} steps, partner copies "
+                     f"{'on' if self.partner else f'off: {why}'})" if self.local else "off")
+            log.info("checkpoints: local tier %s, persistent tier %s (every %d steps%s), keep %d",
+                     local, persistent_dir if self.persistent else "off", ck.persistent_every,
                      ", and the final step" if ck.final else "", ck.keep)
 
     # ---------------------------------------------------------------- restore
@@ -241,7 +265,7 @@ class HierarchicalCheckpointer:
         if self.local is not None:
             for s in self.local.drop_newer(step):
                 log.info("removed this rank's local step %d (newer than the restored %d)", s, step)
-            self._last["local"] = step
+            self._local_tier.last = step
         if self.persistent is not None:
             persistent = self.persistent
             if self.rank != 0:   # Orbax's delete checks its cache (rank 0 reloaded it to plan)
@@ -263,7 +287,7 @@ class HierarchicalCheckpointer:
                                       "(no manifest)")
                 self.persistent.delete(s)
             if step in self.persistent.committed_steps():
-                self._last["persistent"] = step
+                self._persistent_tier.last = step
         return restored
 
     def newest_step(self) -> int | None:
@@ -312,7 +336,8 @@ class HierarchicalCheckpointer:
             self.local.root / str(step))   # type: ignore[union-attr]
         ckpt = ParamsCheckpoint(step, tier, root)
         params = jax.block_until_ready(read_params(ckpt, abstract_params))
-        self._last[tier] = step   # that step is on disk already (with the older state)
+        (self._persistent_tier if tier == "persistent" else self._local_tier).last = step
+        # that step is on disk already (with the older state)
         seconds = time.perf_counter() - t_start
         return Restored(step=step, state=params, source=tier,
                         detail=f"parameters only (checkpoint.params_only) of {ckpt.describe()}",
@@ -323,12 +348,10 @@ class HierarchicalCheckpointer:
     def maybe_save(self, step: int, state: Any, *, force: bool = False,
                    finished: bool = False) -> None:
         self.check()
-        local_due = (self.local is not None and self.policy.local_due(step, force)
-                     and self._last["local"] != step)
-        persistent_due = (self.persistent is not None
-                          and self.policy.persistent_due(step, force, finished)
-                          and self._last["persistent"] != step)
-        if not (local_due or persistent_due):
+        due = [t for t in self._tiers if t.store is not None and t.last != step and (
+            self.policy.local_due(step, force) if t is self._local_tier
+            else self.policy.persistent_due(step, force, finished))]
+        if not due:
             return
         # The step that produced `state` may still be running (async dispatch): its compute
         # is not checkpoint cost, so it is waited for first and reported apart (`ready_s`).
@@ -336,10 +359,8 @@ class HierarchicalCheckpointer:
         jax.block_until_ready(state)
         ready = time.perf_counter() - t_ready
         t0 = time.perf_counter()
-        if local_due:        # one save per tier in flight at a time
-            self._workers["local"].wait(self.timeout_s, self.rank)
-        if persistent_due:
-            self._workers["persistent"].wait(self.timeout_s, self.rank)
+        for tier in due:        # one save per tier in flight at a time
+            tier.worker.wait(self.timeout_s, self.rank)
         waited = time.perf_counter() - t0
         self._layout_of(state)
         # collective: every rank, same save, same answer
@@ -348,40 +369,46 @@ class HierarchicalCheckpointer:
             log.warning("step %d: the parameters hold NaN or Inf; saved anyway, and retention "
                         "keeps the newest step whose parameters are finite", step)
         try:
-            snap, waited_snap, blocking = self.snapshotter.take(
-                step, state, int(local_due) + int(persistent_due))
+            snap, waited_snap, blocking = self.snapshotter.take(step, state, len(due))
         except TimeoutError as e:
             raise CheckpointTimeout(str(e)) from e
         except Exception as e:
             raise CheckpointError(f"rank {self.rank}: snapshot ({self.snapshotter.mode}) of "
                                   f"step {step} failed: {type(e).__name__}: {e}") from e
         waited += waited_snap
-        self.totals["blocking_s"] += blocking
-        self.totals["waited_s"] += waited
-        self.totals["snapshots"] += 1
+        self._blocking_s += blocking
+        self._waited_s += waited
+        self._snapshots += 1
         timing = {"blocking_s": round(blocking, 4), "waited_s": round(waited, 4),
                   "ready_s": round(ready, 4),
-                  "snapshot": snap.mode, "shared": local_due and persistent_due,
+                  "snapshot": snap.mode, "shared": len(due) == 2,
                   "params_finite": finite}
-        if local_due:
-            self.totals["saves"]["local"] += 1
-            self._save_local(step, snap, timing, finite)
-        if persistent_due:
-            self.totals["saves"]["persistent"] += 1
-            self._save_persistent(step, snap, timing, finite)
+        for tier in due:
+            job = (self._local_job if tier is self._local_tier else self._persistent_job)(
+                step, snap, timing, finite)
+            tier.saves += 1
+            tier.last = step
+            tier.worker.submit(step, job)
+            if not self.use_async:   # sync: the save is done when maybe_save returns
+                tier.worker.wait(self.timeout_s, self.rank)
         if not self.use_async:
             self.check()
 
-    def _save_local(self, step: int, snap: Snapshot, timing: dict,
-                    finite: bool | None = None) -> None:
-        worker = self._workers["local"]
+    @property
+    def _mode(self) -> str:
+        return "async" if self.use_async else "sync"
+
+    def _local_job(self, step: int, snap: Snapshot, timing: dict,
+                   finite: bool | None) -> Callable[[], None]:
+        """The local tier's save of `step`, for its worker: this rank's pieces of the
+        snapshot written (and its partner's copy exchanged), the commit agreed by every
+        rank, then retention."""
         layout = self._layout
         assert layout is not None and self.local is not None
         pieces = layout.writes(self.rank)
         pids = [(p.leaf, p.key) for p in pieces]
-        self._last["local"] = step
         tag = step % (1 << 21)
-        mode = "async" if self.use_async else "sync"  # sync: maybe_save also waits for the job
+        mode = self._mode
         local = self.local
 
         def job() -> None:
@@ -425,9 +452,7 @@ class HierarchicalCheckpointer:
                            seconds=round(decision["seconds"], 4), **timing,
                            partner=self.partner, dropped=dropped)
 
-        worker.submit(step, job)
-        if not self.use_async:
-            worker.wait(self.timeout_s, self.rank)
+        return job
 
     def _local_failed(self, message: str, own: str | None) -> None:
         """checkpoint.local_failure=continue: say so (rank 0 for all; a failing rank for
@@ -442,13 +467,13 @@ class HierarchicalCheckpointer:
         self._emit("save_failed", tier="local", step=step, errors=[error],
                    local_failure=self.local_failure)
 
-    def _save_persistent(self, step: int, snap: Snapshot, timing: dict,
-                         finite: bool | None = None) -> None:
+    def _persistent_job(self, step: int, snap: Snapshot, timing: dict,
+                        finite: bool | None) -> Callable[[], None]:
+        """The persistent tier's save of `step`, for its worker: "can rank 0 create the
+        step's directory" agreed, Orbax's save of the snapshot, the commit agreed."""
         assert self.persistent is not None
         persistent = self.persistent
-        worker = self._workers["persistent"]
-        self._last["persistent"] = step
-        mode = "async" if self.use_async else "sync"
+        mode = self._mode
 
         def job() -> None:
             error = None
@@ -490,22 +515,20 @@ class HierarchicalCheckpointer:
                            **decision.get("phases", {}),
                            dropped=decision["dropped"], **timing)
 
-        worker.submit(step, job)
-        if not self.use_async:
-            worker.wait(self.timeout_s, self.rank)
+        return job
 
     # ---------------------------------------------------------------- errors, close
 
     def check(self) -> None:
-        for worker in self._workers.values():
-            worker.raise_error()
+        for tier in self._tiers:
+            tier.worker.raise_error()
 
     def wait(self) -> None:
         """Wait for every save in flight (bounded by checkpoint.timeout_s each); raise errors."""
         errors = []
-        for worker in self._workers.values():
+        for tier in self._tiers:
             try:
-                worker.wait(self.timeout_s, self.rank)
+                tier.worker.wait(self.timeout_s, self.rank)
             except CheckpointError as e:
                 errors.append(e)
         if errors:
@@ -514,12 +537,12 @@ class HierarchicalCheckpointer:
     def summary(self) -> dict:
         """Blocking and waiting totals since creation, and their fraction of wall time."""
         wall = time.perf_counter() - self._created
-        t = self.totals
-        stalled = t["blocking_s"] + t["waited_s"]
-        return {"wall_s": round(wall, 3), "blocking_s": round(t["blocking_s"], 4),
-                "waited_s": round(t["waited_s"], 4),
+        stalled = self._blocking_s + self._waited_s
+        return {"wall_s": round(wall, 3), "blocking_s": round(self._blocking_s, 4),
+                "waited_s": round(self._waited_s, 4),
                 "blocked_fraction": round(stalled / wall, 6) if wall > 0 else 0.0,
-                "snapshots": t["snapshots"], "saves": dict(t["saves"]),
+                "snapshots": self._snapshots,
+                "saves": {tier.name: tier.saves for tier in self._tiers},
                 "snapshot": self.snapshotter.mode or None}
 
     def close(self) -> None:
@@ -537,7 +560,7 @@ class HierarchicalCheckpointer:
                      summary["saves"]["local"], summary["saves"]["persistent"])
             if self.rank == 0:
                 self._emit("checkpoint_summary", **summary)
-            if self.persistent is not None and not any(w.busy() for w in self._workers.values()):
+            if self.persistent is not None and not any(t.worker.busy() for t in self._tiers):
                 try:
                     self.persistent.close()
                 except Exception as e:  # closing must not hide the save error above

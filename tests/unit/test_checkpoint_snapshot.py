@@ -110,7 +110,7 @@ def test_snapshot_reuses_buffers_and_a_donated_step_cannot_change_saved_bytes(
     assert snapper.buffers is buffers and buffers.allocations == allocations
     assert buffers.addresses() == addresses
     # one snapshot per step, shared by both tiers when both saved it
-    assert ck.totals["snapshots"] == 4
+    assert ck.summary()["snapshots"] == 4
     saved = events.of("saved")
     assert sorted((r["tier"], r["step"]) for r in saved) == [
         ("local", 1), ("local", 2), ("local", 3), ("local", 4), ("persistent", 2),
