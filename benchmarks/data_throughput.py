@@ -188,7 +188,7 @@ class ShuffledRecords:
         import h5py
         import numpy as np
 
-        from spmd.data.direct_reads import DirectLayout
+        from spmd.data.formats.direct_reads import DirectLayout
 
         self.fds: list[int] = []
         jobs: list[tuple[int, int]] = []
@@ -225,7 +225,7 @@ class ShuffledRecords:
 
 
 def members_of(path: Path) -> list[tuple[Path, str]]:
-    from spmd.data.file_index import load_index
+    from spmd.data.formats.file_index import load_index
 
     return [(m.path, m.format) for m in load_index(path, f"data.path={path}").members]
 
@@ -266,7 +266,7 @@ class FeedEpoch:
         """Run the steps: samples, bytes read, the caller's total wait."""
         import jax
 
-        from spmd.data.feed import BatchFeed
+        from spmd.data.loader.feed import BatchFeed
 
         source = self.source(self.steps)
         feed = BatchFeed(self.fields, self.batch, self.mesh, self.rules)
@@ -348,7 +348,7 @@ def profile_feed(path: Path, args: argparse.Namespace) -> dict:
     index lookups, single-record reads straight from the store, `ArraySource.rows` and
     `global_batch` in this thread (prefetch 0, under cProfile: top own time), and
     `global_batch` with 1 read thread against `--read-threads` (do threads help?)."""
-    from spmd.data.stores import Store
+    from spmd.data.formats.stores import Store
 
     sync = FeedEpoch(path, args.grid, args.batch, args.seed, 0, 1, PROFILE_STEPS)
     samples = sync.steps * args.batch
@@ -577,8 +577,8 @@ class GriddedEpoch:
         self.steps = self.source(None).count // batch
 
     def source(self, until: int | None):
-        from spmd.data.channels import parse_channels
-        from spmd.data.gridded_windows import GriddedWindowSource
+        from spmd.data.cf.channels import parse_channels
+        from spmd.data.sources.gridded_windows import GriddedWindowSource
 
         return GriddedWindowSource(self.path, parse_channels(list(GRIDDED_VARIABLES)),
                                    self.fields, self.batch, input_name="input",
@@ -589,7 +589,7 @@ class GriddedEpoch:
     def __call__(self) -> dict:
         import jax
 
-        from spmd.data.feed import BatchFeed
+        from spmd.data.loader.feed import BatchFeed
 
         source = self.source(self.steps)
         feed = BatchFeed(self.fields, self.batch, self.mesh, self.rules)

@@ -51,8 +51,8 @@ class WorldCheck:
 
 
 def _data_errors() -> tuple[type[Exception], ...]:
-    from spmd.data.field_files import DatasetError
-    from spmd.data.stores import ArrayDataError
+    from spmd.data.formats.field_files import DatasetError
+    from spmd.data.formats.stores import ArrayDataError
 
     return DatasetError, ArrayDataError
 

@@ -10,7 +10,7 @@ the decoded values beside the data (rank 0 computes them), where data.normalize 
 `stats` runs in one process or on every rank of a job (mpiexec, srun):
 rank r reads its contiguous share of the records, the ranks exchange their partial
 statistics as JSON (spmd.comm.RankGroup) and rank 0 merges and stores them beside the data
-(spmd.data.normalization).
+(spmd.data.stats.normalization).
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_rechunk(args: argparse.Namespace) -> int:
-    """`spmd data rechunk IN OUT`: spmd.data.rechunk.rechunk; prints the files written."""
-    from spmd.data.rechunk import rechunk
+    """`spmd data rechunk IN OUT`: spmd.data.formats.rechunk.rechunk; prints the files written."""
+    from spmd.data.formats.rechunk import rechunk
 
     for path in rechunk(args.source, args.dest, time_chunk=args.time_chunk,
                         complevel=args.complevel):
@@ -99,9 +99,9 @@ def run_rechunk(args: argparse.Namespace) -> int:
 def run_stats(args: argparse.Namespace) -> int:
     """`spmd data stats`: this rank's share, exchanged and merged; rank 0 writes and prints."""
     from spmd.config.load import build_task, load_config
-    from spmd.data.arrays import ArraySource
-    from spmd.data.gridded_windows import GriddedWindowSource
-    from spmd.data.normalization import (
+    from spmd.data.sources.arrays import ArraySource
+    from spmd.data.sources.gridded_windows import GriddedWindowSource
+    from spmd.data.stats.normalization import (
         data_fingerprint,
         merge_statistics,
         partial_statistics,
@@ -216,7 +216,7 @@ def _channel_stats(source: Any, split: str, as_json: bool) -> str:
     """Store the NaN-aware per-channel statistics of a gridded source's split (data.variables:
     decoded values, over every time of its windows) beside the data, where data.normalize
     reads them; a table or one JSON object of them."""
-    from spmd.data.normalization import data_fingerprint, write_statistics
+    from spmd.data.stats.normalization import data_fingerprint, write_statistics
 
     stamp = data_fingerprint(source.path, source.where)
     part = source.statistics_part()

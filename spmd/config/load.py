@@ -97,7 +97,7 @@ def _check_keys(raw: Any, cls: type[BaseModel], prefix: str, blame: _Blame) -> N
 class ConfigLoader(yaml.SafeLoader):
     """YAML as `yaml.safe_load` reads it, except that a date the standard calendar lacks but
     another CF calendar has (2019-02-29, 2019-02-30: all_leap, 360_day) stays the string
-    written; spmd.data.calendars reads it in the data's calendar. A date no calendar has
+    written; spmd.data.cf.calendars reads it in the data's calendar. A date no calendar has
     (2019-13-01, 2019-02-31) still fails."""
 
 

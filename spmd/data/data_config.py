@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 class WindowConfig(BaseModel):
     """data.window: examples are time windows of stored trajectories (a dataset
     `[trajectory, time, ...]`, or `[time, ...]`: one trajectory per file); a window never
-    crosses from one trajectory into the next (spmd.data.windows, spmd.TrajectoryTask)."""
+    crosses from one trajectory into the next (spmd.data.sources.windows, spmd.TrajectoryTask)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -32,7 +32,7 @@ class WindowConfig(BaseModel):
 
 
 # a date as a config writes it, in any calendar: 2019, 2019-03, 2019-02-30, 2019-03-24T06,
-# ...T06:30, ...T06:30:15 (spmd.data.calendars reads it in the data's calendar)
+# ...T06:30, ...T06:30:15 (spmd.data.cf.calendars reads it in the data's calendar)
 DATE = re.compile(r"^(\d{4})(?:-(\d{1,2})(?:-(\d{1,2})(?:[T ](\d{1,2})(?::(\d{2})"
                   r"(?::(\d{2}))?)?)?)?)?$")
 
@@ -130,12 +130,13 @@ class DataConfig(BaseModel):
         False, description="Train on fields normalized per channel ((x - mean) / std) with the "
         "statistics `spmd data stats CONFIG` stored beside the data; metrics and predictions "
         "stay in physical units. Tasks that support it: FieldTask and its subclasses "
-        "(spmd.data.normalization).")
+        "(spmd.data.stats.normalization).")
     allow_changed: bool = Field(
         False, description="Each job of a run fingerprints every file of data.path (size, "
-        "mtime and a hash of its first and last blocks; spmd.data.run_inputs) and records it in "
-        "run.dir; a resumed job whose files changed, disappeared or appeared is an error naming "
-        "the file. true: train on with the new data, logged as a change of data (a warning).")
+        "mtime and a hash of its first and last blocks; spmd.data.stats.run_inputs) and records "
+        "it in run.dir; a resumed job whose files changed, disappeared or appeared is an error "
+        "naming the file. true: train on with the new data, logged as a change of data "
+        "(a warning).")
     variables: list[str | dict[str, list[float]]] | None = Field(
         None, description="Gridded weather / climate files (NetCDF4, Zarr; CF-decoded as xarray "
         "does): the variables stacked as the channels of a frame, in this order, e.g. [t2m, "

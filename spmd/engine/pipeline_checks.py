@@ -26,7 +26,7 @@ import math
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmd.data.feed import nearest_multiples
+from spmd.data.loader.feed import nearest_multiples
 from spmd.engine.engine_config import MeshConfig, TrainConfig
 from spmd.errors import ConfigError
 from spmd.sharding import (

@@ -21,7 +21,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from spmd.data.feed import BatchFeed
+from spmd.data.loader.feed import BatchFeed
 from spmd.engine.axis_rules import axis_rules, warn_replication
 from spmd.engine.engine_config import EngineSections
 from spmd.engine.mesh import in_mesh

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.forecast_grid import TIME_UNITS, ForecastGrid
+from spmd.data.sources.forecast_grid import TIME_UNITS, ForecastGrid
 from spmd.errors import SpmdError
 from spmd.inference.output_files import OneFileOutput
 

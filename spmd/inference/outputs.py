@@ -7,7 +7,7 @@ name ending in `.zarr`: Zarr; `.nc`, `.nc4`: NetCDF; anything else: HDF5). HDF5 
 hold the same layout: the array at dataset path `prediction`,
 created with its full shape before the first write (examples first, one example per
 chunk), its attributes on that array, examples where `write` puts them. Either reads back
-as data (`spmd.data.stores.Store`, `--input` of another `spmd predict`).
+as data (`spmd.data.formats.stores.Store`, `--input` of another `spmd predict`).
 
 Invariants:
 - Only the writing process (`enabled`: process 0) touches the file system; the others get
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.stores import ZARR_METADATA, ZARR_SUFFIX
+from spmd.data.formats.stores import ZARR_METADATA, ZARR_SUFFIX
 from spmd.errors import SpmdError
 from spmd.inference.forecast_netcdf import NetcdfOutput
 from spmd.inference.output_files import OneFileOutput, Output
@@ -59,7 +59,7 @@ def open_output(path: Path, format: str, shape: tuple[int, ...], dtype: np.dtype
                 enabled: bool, grid: Any = None) -> Output:
     """The `prediction` array of `shape` at `path` in `format`, under its temporary name
     until `commit` (nothing at all unless `enabled`). `netcdf` needs the predictions'
-    coordinates, `grid` (a spmd.data.forecast_grid.ForecastGrid: a gridded run)."""
+    coordinates, `grid` (a spmd.data.sources.forecast_grid.ForecastGrid: a gridded run)."""
     path = Path(path)
     kind = output_format(path, format)
     if kind == "netcdf" and grid is None:

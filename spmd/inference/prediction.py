@@ -37,8 +37,8 @@ import jax
 import numpy as np
 
 from spmd.comm.host_gather import gather_to_host
-from spmd.data.arrays import ArrayDataError, ArraySource
-from spmd.data.feed import BatchFeed
+from spmd.data.loader.feed import BatchFeed
+from spmd.data.sources.arrays import ArrayDataError, ArraySource
 from spmd.engine.mesh import in_mesh, mesh_context
 from spmd.engine.model_errors import framed
 from spmd.engine.pipeline_checks import check_pipeline

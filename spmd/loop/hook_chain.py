@@ -25,7 +25,7 @@ from pathlib import Path
 from spmd.checkpoint import Checkpointer
 from spmd.comm import RankGroup, StopVote
 from spmd.config.schema import Config
-from spmd.data.nan_probe import nonfinite_in_batches
+from spmd.data.loader.nan_probe import nonfinite_in_batches
 from spmd.engine.runtime import Runtime
 from spmd.launch import HALT_FILE_NAME, LaunchEnv, PreemptionWatcher, job_end_time
 from spmd.loop.builtin_hooks import (

@@ -13,7 +13,7 @@ Invariants:
   first position on, each example once: all ceil(count / batch) batches, or the first
   `max_batches` whole ones (`data.eval_batches`, the quick evaluations during training),
   never more than the split holds and never wrapping round to its start. A partial last
-  batch goes through `spmd.data.padded_tail.PaddedTail` (the real examples and copies of the
+  batch goes through `spmd.data.sources.padded_tail.PaddedTail` (the real examples and copies of the
   first of them, then a batch of copies alone), and the copies' share is subtracted, exactly
   for metrics that are means over a batch's examples (`Task.eval_metrics`).
 - A source without a size (generated data, an endless stream) is read for `max_batches`
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from spmd.data.batch import DataSource
-from spmd.data.padded_tail import PaddedTail
+from spmd.data.sources.padded_tail import PaddedTail
 from spmd.engine.runtime import Runtime
 
 log = logging.getLogger("spmd.loop")

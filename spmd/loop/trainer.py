@@ -35,7 +35,7 @@ from spmd.comm.job_failure import FailureWatch
 from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
-from spmd.data.run_inputs import check_run_inputs
+from spmd.data.stats.run_inputs import check_run_inputs
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import CheckedRules, Runtime, build_runtime, check_rules
 from spmd.errors import ExitCode

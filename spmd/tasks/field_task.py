@@ -1,7 +1,7 @@
 """Field-to-field regression from an array file: the shape of most operator-learning tasks.
 
 `FieldTask` gives a task that learns a map from one field (`input_name`) to another
-(`target_name`), read through the generic array source (spmd.data.arrays) from data.path,
+(`target_name`), read through the generic array source (spmd.data.sources.arrays) from data.path,
 split `train` / `test`. A subclass writes its model and says how to make its data:
 
     class HeatTask(spmd.FieldTask):
@@ -18,7 +18,7 @@ may rename them) and is made by `spmd data make` or, when missing, by rank 0 bef
 
 With `data.normalize: true` the model sees (x - mean_x) / std_x and the loss and `eval_loss`
 compare its output with (y - mean_y) / std_y, per channel (the last axis), with the train
-split's statistics stored beside the data (spmd.data.normalization, `spmd data stats
+split's statistics stored beside the data (spmd.data.stats.normalization, `spmd data stats
 CONFIG`; rank 0 computes them when it makes missing data); they are loaded once, at first
 use. `test_rel_l2`, `sample_outputs` and `predict` are in physical units (prediction =
 output * std_y + mean_y). With `data.normalize: false` the fields are used as stored.
@@ -38,10 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.atomic_write import write_atomic
-from spmd.data.arrays import ArrayDataError, ArraySource, write_arrays
 from spmd.data.batch import BatchField
-from spmd.data.file_index import data_exists
-from spmd.data.normalization import compute_statistics, load_statistics
+from spmd.data.formats.file_index import data_exists
+from spmd.data.sources.arrays import ArrayDataError, ArraySource, write_arrays
+from spmd.data.stats.normalization import compute_statistics, load_statistics
 from spmd.tasks.base import ModelCfg, Task
 
 if TYPE_CHECKING:  # the run's Config assembles the sections of every layer, this one's too

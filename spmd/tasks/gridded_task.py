@@ -18,7 +18,7 @@ climate files):
 
 Invariants:
 - The frame is `(latitude, longitude, C)` with C the channels of data.variables, read from
-  the files (spmd.data.gridded_windows); nothing is made (`spmd data make` refuses).
+  the files (spmd.data.sources.gridded_windows); nothing is made (`spmd data make` refuses).
 - The model's input is `(lat, lon, input_steps * C + K)`: the frames, then the K
   constants, which stay the same through a rollout (only the frames are fed back).
 - With data.normalize the frames (not the constants) are normalized per channel with the
@@ -48,12 +48,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.data.batch import BatchField
-from spmd.data.channels import parse_channels
-from spmd.data.file_index import load_index
-from spmd.data.gridded_timeline import Timeline, build_timeline, step_hours
-from spmd.data.gridded_windows import GriddedWindowSource
-from spmd.data.normalization import data_fingerprint, load_statistics, write_statistics
-from spmd.data.stores import ArrayDataError
+from spmd.data.cf.channels import parse_channels
+from spmd.data.cf.gridded_timeline import Timeline, build_timeline, step_hours
+from spmd.data.formats.file_index import load_index
+from spmd.data.formats.stores import ArrayDataError
+from spmd.data.sources.gridded_windows import GriddedWindowSource
+from spmd.data.stats.normalization import data_fingerprint, load_statistics, write_statistics
 from spmd.errors import ConfigError
 from spmd.tasks.base import ModelCfg
 from spmd.tasks.trajectory_task import TrajectoryTask

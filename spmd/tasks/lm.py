@@ -18,7 +18,7 @@ from flax import nnx
 from pydantic import Field, model_validator
 
 from spmd.data.batch import BatchField
-from spmd.data.synthetic import ArithmeticTokens
+from spmd.data.sources.synthetic import ArithmeticTokens
 from spmd.errors import ConfigError
 from spmd.models.losses import cross_entropy
 from spmd.models.scan import Remat

@@ -20,11 +20,9 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, model_validator
 
-from spmd.data.arrays import ArraySource
 from spmd.data.batch import BatchField
-from spmd.data.darcy import make_darcy_dataset
 from spmd.data.data_config import DataConfig
-from spmd.data.field_files import (
+from spmd.data.formats.field_files import (
     DatasetError,
     FieldsInfo,
     FieldStats,
@@ -34,13 +32,16 @@ from spmd.data.field_files import (
     field_stats,
     inspect_fields,
 )
+from spmd.data.sources.arrays import ArraySource
 from spmd.models.fno import FIELD, FNO2d
 from spmd.tasks.base import ModelConfig, Task
+from spmd.tasks.darcy import make_darcy_dataset
 from spmd.tasks.field_task import relative_l2
 
 log = logging.getLogger("spmd.tasks.neural_operator")
 
-# Dataset paths of the batch fields in a fields file (spmd.data.field_files); data.fields overrides.
+# Dataset paths of the batch fields in a fields file (spmd.data.formats.field_files); data.fields
+# overrides.
 DATASETS = {"a": "{split}/a", "u": "{split}/u"}
 
 
@@ -67,7 +68,8 @@ def dataset_path(model: FnoConfig, data: DataConfig) -> Path:
 def make_dataset(model: FnoConfig, data: DataConfig, *, workers: int = 1, in_threads: bool = False,
                  compression: str | None = None) -> FieldsInfo:
     """`spmd data make`: solve the PDE for the config's sizes and write data.path atomically
-    (`workers` solver processes, or threads `in_threads`: inside a rank, spmd.data.field_files)."""
+    (`workers` solver processes, or threads `in_threads`: inside a rank,
+    spmd.data.formats.field_files)."""
     path = dataset_path(model, data)
     total = data.num_train + data.num_test
     log.info("making %s: %d Darcy problems on a %dx%d grid (seed %d)", path, total,

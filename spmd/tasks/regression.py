@@ -10,7 +10,7 @@ from flax import nnx
 from pydantic import Field
 
 from spmd.data.batch import BatchField
-from spmd.data.synthetic import TeacherRegression
+from spmd.data.sources.synthetic import TeacherRegression
 from spmd.models.mlp import Mlp
 from spmd.tasks.base import ModelConfig, Task
 

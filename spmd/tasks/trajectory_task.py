@@ -20,7 +20,7 @@ Invariants:
   files, and a file's trajectories depend only on (data.seed, split, file), never on
   `--workers`. Before training, rank 0 makes the files when data.path is missing, empty
   or holds only some of them; a directory of other stores is read as it is.
-- Examples are windows of the trajectories (spmd.data.windows, layout "channels": the
+- Examples are windows of the trajectories (spmd.data.sources.windows, layout "channels": the
   input is `(x, y, input_steps * C)`, the target `(x, y, target_steps * C)`).
 - The loss is the mean squared error over all `data.window.target_steps` steps of an
   autoregressive rollout: each step's input is the last `input_steps` frames, predictions
@@ -50,10 +50,10 @@ import numpy as np
 
 from spmd.data.batch import BatchField
 from spmd.data.data_config import WindowConfig
-from spmd.data.file_index import INDEX_NAME, data_exists, has_magic
-from spmd.data.normalization import compute_statistics, load_statistics
-from spmd.data.stores import ArrayDataError, is_member_name, write_arrays
-from spmd.data.windows import WindowSource
+from spmd.data.formats.file_index import INDEX_NAME, data_exists, has_magic
+from spmd.data.formats.stores import ArrayDataError, is_member_name, write_arrays
+from spmd.data.sources.windows import WindowSource
+from spmd.data.stats.normalization import compute_statistics, load_statistics
 from spmd.errors import ConfigError
 from spmd.scores.weather import weather_scores
 from spmd.tasks.base import ModelCfg, Task

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.data.synthetic import ArithmeticTokens
+from spmd.data.sources.synthetic import ArithmeticTokens
 
 
 @dataclasses.dataclass(frozen=True)

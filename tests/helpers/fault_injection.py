@@ -26,7 +26,7 @@ rank of each save):
                                            sleeps SECONDS in each batch it loads, as a rank
                                            with a slow host or file system would: a
                                            straggler (wraps
-                                           `spmd.data.feed.BatchFeed.global_batch`)
+                                           `spmd.data.loader.feed.BatchFeed.global_batch`)
     SPMD_TEST_RAISE=prepare:RANK           RANK's `Task.prepare` raises (wraps the task that
                                            `spmd.loop.trainer` builds)
     SPMD_TEST_RAISE=hook:RANK:STEP         a hook of the user's raises on RANK after update
@@ -288,7 +288,7 @@ def install(environ: Mapping[str, str] | None = None) -> list[str]:
             lambda m: _patch_slow_listing(m, slow_rank, seconds))
     if environ.get(SLOW_RANK):
         late_rank, delay = _rank_seconds(SLOW_RANK, environ[SLOW_RANK])
-        patches.setdefault("spmd.data.feed", []).append(
+        patches.setdefault("spmd.data.loader.feed", []).append(
             lambda m: _patch_slow_rank(m, late_rank, delay))
     if environ.get(RAISE):
         where, fail_rank, fail_step = _raise_spec(environ[RAISE])

@@ -38,7 +38,7 @@ def main(data: Path, out: Path) -> None:
     from spmd.comm.host_gather import gather_to_host
     from spmd.config.schema import MeshConfig
     from spmd.data import ArraySource, BatchField
-    from spmd.data.feed import BatchFeed
+    from spmd.data.loader.feed import BatchFeed
     from spmd.engine.mesh import build_mesh
     from spmd.sharding import rules_for
 

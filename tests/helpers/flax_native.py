@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 import spmd
-from spmd.data.synthetic import ArithmeticTokens
+from spmd.data.sources.synthetic import ArithmeticTokens
 from spmd.sharding import with_axes
 
 # ---------------------------------------------------------------- the Flax-native model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from spmd.data.darcy import make_darcy_dataset
+from spmd.tasks.darcy import make_darcy_dataset
 
 GRID = 16
 

@@ -29,8 +29,9 @@ def main(single: Path, h5: Path, zarr: Path, out: Path) -> None:
 
     from spmd.comm.host_gather import gather_to_host
     from spmd.config.schema import MeshConfig
-    from spmd.data import ArraySource, BatchField, stores
-    from spmd.data.feed import BatchFeed
+    from spmd.data import ArraySource, BatchField
+    from spmd.data.formats import stores
+    from spmd.data.loader.feed import BatchFeed
     from spmd.engine.mesh import build_mesh
     from spmd.sharding import rules_for
 

@@ -1,4 +1,4 @@
-"""The generic on-disk array source (spmd.data.arrays): HDF5 and .npy stores, the same
+"""The generic on-disk array source (spmd.data.sources.arrays): HDF5 and .npy stores, the same
 global batch for any process count, the step as the position, slab reads, clear errors."""
 
 from __future__ import annotations

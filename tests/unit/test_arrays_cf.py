@@ -1,4 +1,5 @@
-"""ArraySource and WindowSource (stored arrays, spmd.data.arrays / spmd.data.windows) decode
+"""ArraySource and WindowSource (stored arrays, spmd.data.sources.arrays /
+spmd.data.sources.windows) decode
 CF-coded NetCDF4 / Zarr variables as xarray does (issue 35): int16 packing (scale_factor,
 add_offset), and _FillValue / missing_value as NaN, per member file; the values equal
 `xarray.open_dataset(...).load()` element for element, and so do `spmd data stats`'
@@ -9,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spmd.data.arrays import ArraySource
 from spmd.data.batch import BatchField
-from spmd.data.normalization import merge_statistics, partial_statistics
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.stores import ArrayDataError
+from spmd.data.sources.arrays import ArraySource
+from spmd.data.stats.normalization import merge_statistics, partial_statistics
 from tests.helpers.era5_files import PACKED, write_era5_years
 
 xr = pytest.importorskip("xarray")
@@ -106,7 +107,7 @@ def test_int32_packing_in_a_float32_field_refused(tmp_path):
 
 def test_trajectory_windows_of_a_packed_variable_decode(era5):
     """WindowSource ([time, *frame] per file): windows of u10 as xarray decodes it."""
-    from spmd.data.windows import WindowSource
+    from spmd.data.sources.windows import WindowSource
 
     fields = {n: BatchField((6, 12, 1), np.float32, AXES) for n in "uv"}
     src = WindowSource(era5[0].parent, "u10", fields, 4, input_name="u", target_name="v",

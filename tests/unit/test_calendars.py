@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spmd.data.calendars import Calendar, axis_times
-from spmd.data.stores import ArrayDataError
+from spmd.data.cf.calendars import Calendar, axis_times
+from spmd.data.formats.stores import ArrayDataError
 from tests.helpers.era5_files import grid, land
 from tests.unit.test_weather_data import source
 
@@ -106,7 +106,7 @@ def test_annual_means_of_a_500_year_360_day_control_run_step_in_years(tmp_path):
     assert test.count == 50 - 1 and test.covered_text() == "2300-07-01T00:00 .. 2349-07-01T00:00"
     assert source(path, ["t2m"], splits=splits, split="train").count == \
         xarray_count(path, "2299")
-    from spmd.data.gridded_timeline import step_hours
+    from spmd.data.cf.gridded_timeline import step_hours
 
     assert step_hours(src.timeline.step, src.timeline.calendar) == 360 * 24
 

@@ -13,7 +13,9 @@ import h5py
 import numpy as np
 import pytest
 
-from spmd.data.darcy import (
+from spmd.data.formats.field_files import inspect_fields, write_fields
+from spmd.errors import SpmdError
+from spmd.tasks.darcy import (
     DarcyParams,
     darcy_matrix,
     darcy_residual,
@@ -22,8 +24,6 @@ from spmd.data.darcy import (
     sample,
     solve_darcy,
 )
-from spmd.data.field_files import inspect_fields, write_fields
-from spmd.errors import SpmdError
 from tests.helpers.env import REPO, clean_env
 from tests.helpers.fno import sha256, tiny_config
 

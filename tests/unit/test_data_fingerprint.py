@@ -1,7 +1,7 @@
 """Every data input is fingerprinted per run (issue 38, item 3): a single `data.path` file, a
 Zarr store or a glob's files replaced between two jobs of a run is an error naming the file,
 `data.path` and `data.allow_changed`; with `data.allow_changed: true` a warning, and the run
-trains on (spmd.data.run_inputs)."""
+trains on (spmd.data.stats.run_inputs)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import yaml
 import spmd
 from spmd.config.load import with_overrides
 from spmd.data.data_config import DataConfig
-from spmd.data.run_inputs import RECORD_NAME, check_run_inputs
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.stores import ArrayDataError
+from spmd.data.stats.run_inputs import RECORD_NAME, check_run_inputs
 from tests.helpers.fno import make_tiny_dataset, tiny_config
 from tests.helpers.records import read_jsonl
 

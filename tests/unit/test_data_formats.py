@@ -1,4 +1,5 @@
-"""Array stores in every format (spmd.data.stores): NetCDF4 files written by h5netcdf, Zarr v3
+"""Array stores in every format (spmd.data.formats.stores): NetCDF4 files written by h5netcdf, Zarr
+v3
 stores (sharded arrays included), with slab reads that touch only the slab's chunks, and
 errors that name the file, the variable and the config key."""
 
@@ -10,8 +11,9 @@ import pytest
 import zarr
 import zarr.storage
 
-from spmd.data import ArrayDataError, ArraySource, BatchField, stores, write_arrays
-from spmd.data.arrays import store_format
+from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
+from spmd.data.formats import stores
+from spmd.data.sources.arrays import store_format
 
 N, BATCH, GRID = 12, 4, 8
 FIELDS = {"u0": BatchField((GRID, GRID, 1), np.float32, ("batch", "x", "y", None)),

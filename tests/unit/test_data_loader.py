@@ -1,4 +1,4 @@
-"""The Darcy fields through the generic array source (spmd.data.arrays): the same global
+"""The Darcy fields through the generic array source (spmd.data.sources.arrays): the same global
 batch for any process count, epoch-wise shuffles, and a resumed loader that continues with
 exactly the next batch."""
 
@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import NamedSharding
 
 from spmd.config.schema import MeshConfig
-from spmd.data.arrays import ArraySource
 from spmd.data.batch import BatchField
-from spmd.data.field_files import field_stats, inspect_fields
+from spmd.data.formats.field_files import field_stats, inspect_fields
+from spmd.data.sources.arrays import ArraySource
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import logical_to_spec, rules_for
 from tests.helpers.fno import GRID, make_tiny_dataset

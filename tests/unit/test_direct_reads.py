@@ -1,4 +1,4 @@
-"""spmd.data.direct_reads: whole records of uncompressed HDF5 / NetCDF4 datasets read from
+"""spmd.data.formats.direct_reads: whole records of uncompressed HDF5 / NetCDF4 datasets read from
 the file's bytes equal what h5py reads; anything else goes through h5py; a truncated file
 is named."""
 
@@ -11,10 +11,10 @@ import h5py
 import numpy as np
 import pytest
 
-import spmd.data.direct_reads as direct_reads
+import spmd.data.formats.direct_reads as direct_reads
 from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
-from spmd.data.direct_reads import DirectLayout, read_jobs
-from spmd.data.stores import Store
+from spmd.data.formats.direct_reads import DirectLayout, read_jobs
+from spmd.data.formats.stores import Store
 
 ROWS, SHAPE = 23, (6, 4)
 FIELD = {"u": BatchField((*SHAPE, 1), np.float32, ("batch", "x", "y", None))}
@@ -211,7 +211,7 @@ def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, m
     record counts as a miss) make the source announce rows [start, stop) of the next
     READAHEAD_STEPS steps, once each; reads that hit the cache announce nothing (a full
     shuffle: blocks are told a group ahead, the test below)."""
-    from spmd.data.direct_reads import FileRecords
+    from spmd.data.formats.direct_reads import FileRecords
 
     path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
     told: list[list[int]] = []
@@ -243,7 +243,7 @@ def test_a_cold_read_announces_the_next_steps_and_a_warm_one_nothing(tmp_path, m
 def test_a_few_misses_in_a_warm_read_start_no_readahead(tmp_path, monkeypatch):
     """A warm file still misses RWF_NOWAIT now and then (a page marked for the kernel's own
     readahead): a call counts as cold only when a quarter of its records or more missed."""
-    from spmd.data.direct_reads import FileRecords
+    from spmd.data.formats.direct_reads import FileRecords
 
     path = write_h5(tmp_path / "d.h5", values(), chunks=(1, *SHAPE))
     told: list[list[int]] = []
@@ -298,7 +298,7 @@ def test_a_failing_read_names_its_job(tmp_path):
 
 
 def test_neighbouring_records_are_announced_as_one_range(tmp_path, monkeypatch):
-    from spmd.data.direct_reads import FileRecords
+    from spmd.data.formats.direct_reads import FileRecords
 
     data = values()
     path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))
@@ -327,7 +327,7 @@ def test_with_shuffle_block_a_cold_read_announces_whole_blocks(tmp_path, monkeyp
     data.shuffle_mix blocks being read and of the next group (each once, the step being
     read aside, a group at a time), so that they are fetched as long reads; an epoch still
     reads every record once."""
-    from spmd.data.direct_reads import FileRecords
+    from spmd.data.formats.direct_reads import FileRecords
 
     data = values()
     path = write_h5(tmp_path / "d.h5", data, chunks=(1, *SHAPE))

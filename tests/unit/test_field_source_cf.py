@@ -1,4 +1,5 @@
-"""The field-task source (spmd.data.arrays.ArraySource) on files written by xarray (issue 35):
+"""The field-task source (spmd.data.sources.arrays.ArraySource) on files written by xarray (issue
+35):
 a plain variable reads as xarray reads it (CF-packed ones and fill values are decoded:
 tests/unit/test_arrays_cf.py), and a dataset path without {split} never makes the test
 split the train split."""
@@ -8,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spmd.data.arrays import ArraySource
 from spmd.data.batch import BatchField
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.stores import ArrayDataError
+from spmd.data.sources.arrays import ArraySource
 
 xr = pytest.importorskip("xarray")
 

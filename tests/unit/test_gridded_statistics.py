@@ -1,5 +1,5 @@
 """GriddedWindowSource.channel_statistics merges blocks with the pairwise (Chan et al.)
-update of spmd.data.normalization, not a sum of squares: a field of large mean
+update of spmd.data.stats.normalization, not a sum of squares: a field of large mean
 (geopotential, ~5e4) keeps its standard deviation to float64 rounding (issue 35)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from spmd.data.batch import BatchField
-from spmd.data.channels import parse_channels
-from spmd.data.gridded_windows import GriddedWindowSource
+from spmd.data.cf.channels import parse_channels
+from spmd.data.sources.gridded_windows import GriddedWindowSource
 from tests.helpers.era5_files import TIME_UNITS, grid, times
 
 xr = pytest.importorskip("xarray")

@@ -146,6 +146,28 @@ def test_no_import_circle_between_modules():
         " <-> ".join(circle) for circle in circles)
 
 
+# spmd.data's rooms, bottom to top (spmd/data/__init__.py): each imports only its own modules,
+# those of the rooms below it and the package's own floor (batch, data_config, order, ...).
+DATA_ROOMS = ["formats", "cf", "stats", "reads", "sources", "loader"]
+
+
+def test_the_rooms_of_spmd_data_import_only_the_rooms_below():
+    edges = import_edges(package_modules(REPO))
+
+    def room(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[:2] != ["spmd", "data"] or len(parts) < 3:
+            return None
+        return DATA_ROOMS.index(parts[2]) if parts[2] in DATA_ROOMS else -1   # -1: the floor
+
+    assert {m.split(".")[2] for m in edges if room(m) is not None and room(m) >= 0} == set(
+        DATA_ROOMS), "a room of spmd.data is missing from DATA_ROOMS, or has no module"
+    upward = [f"{importer} imports {target}" for importer, targets in edges.items()
+              if room(importer) is not None for target in targets
+              if room(target) is not None and room(target) > room(importer)]
+    assert not upward, "spmd.data's rooms import upward:\n" + "\n".join(upward)
+
+
 WHOLE_CONFIG = re.compile(r"\bConfig\b")
 
 

@@ -1,4 +1,4 @@
-"""Integrity of the files spmd indexes (spmd.data.file_index, spmd.data.run_inputs).
+"""Integrity of the files spmd indexes (spmd.data.formats.file_index, spmd.data.stats.run_inputs).
 
 - A NetCDF4 / HDF5 file that a writer (another process) still has open, or one cut short
   (a copy in progress), is refused by name, as a single store and as a member; nothing is
@@ -6,7 +6,7 @@
 - A file that changes while it is indexed is an error naming it.
 - An index that no longer matches its files is built again with a warning saying what
   changed and what it does to a resumed run; a resumed run still refuses changed data unless
-  data.allow_changed is set (spmd.data.run_inputs).
+  data.allow_changed is set (spmd.data.stats.run_inputs).
 
 Fixtures are written with xarray, netCDF4 and h5py, not spmd's writer.
 """
@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 
 from spmd.data import ArrayDataError
-from spmd.data.file_index import (
+from spmd.data.formats.file_index import (
     check_complete,
     check_unchanged,
     content_stamp,
     load_index,
     superblock,
 )
-from spmd.data.run_inputs import check_run_inputs
-from spmd.data.stores import fingerprint
+from spmd.data.formats.stores import fingerprint
+from spmd.data.stats.run_inputs import check_run_inputs
 from tests.helpers.env import clean_env, run_spmd
 
 xr = pytest.importorskip("xarray")

@@ -20,7 +20,7 @@ from examples.kolmogorov.solver import (
     trajectories,
 )
 from spmd.config.load import build_task, load_config
-from spmd.data.stores import ArrayDataError, Store
+from spmd.data.formats.stores import ArrayDataError, Store
 from spmd.errors import ConfigError
 from spmd.tasks.trajectory_task import rollout_key
 

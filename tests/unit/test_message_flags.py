@@ -449,7 +449,7 @@ def test_predict_names_its_dataset_flag_for_a_file_of_the_wrong_grid(tmp_path):
     import h5py
     import numpy as np
 
-    from spmd.data.arrays import ArrayDataError, ArraySource
+    from spmd.data.sources.arrays import ArrayDataError, ArraySource
     from spmd.tasks import BatchField
 
     path = tmp_path / "wrong.h5"

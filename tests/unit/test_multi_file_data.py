@@ -1,4 +1,5 @@
-"""Many files as one dataset (spmd.data.file_index): a file split into parts reads exactly as
+"""Many files as one dataset (spmd.data.formats.file_index): a file split into parts reads exactly
+as
 the file did, the index is cached beside the data, a process opens only the files that hold
 its rows, and a changed, missing or new file is named."""
 
@@ -13,10 +14,11 @@ import numpy as np
 import pytest
 
 from spmd.config.schema import DataConfig, MeshConfig
-from spmd.data import ArrayDataError, ArraySource, BatchField, file_index, stores, write_arrays
+from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
 from spmd.data.data_config import SourceSections
-from spmd.data.feed import BatchFeed
-from spmd.data.file_index import INDEX_NAME, data_exists
+from spmd.data.formats import file_index, stores
+from spmd.data.formats.file_index import INDEX_NAME, data_exists
+from spmd.data.loader.feed import BatchFeed
 from spmd.data.order import auto_block
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import rules_for

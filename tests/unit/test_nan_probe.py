@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.data.arrays import ArraySource, write_arrays
 from spmd.data.batch import BatchField
-from spmd.data.nan_probe import nonfinite_in_batches
+from spmd.data.loader.nan_probe import nonfinite_in_batches
+from spmd.data.sources.arrays import ArraySource, write_arrays
 from spmd.engine.engine_config import TrainConfig
 from spmd.loop.builtin_hooks import NonfiniteHook
 from spmd.loop.hooks import StepInfo

@@ -1,4 +1,4 @@
-"""NaN-aware statistics (spmd.data.normalization): NaN values are left out per channel with
+"""NaN-aware statistics (spmd.data.stats.normalization): NaN values are left out per channel with
 a valid count, on any rank count; an all-NaN channel is an error naming it; the statistics
 file never holds NaN, and an older file (one count, or a NaN written before) reads or is
 refused by name.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from spmd.data import ArrayDataError
-from spmd.data.normalization import (
+from spmd.data.stats.normalization import (
     load_statistics,
     merge_statistics,
     partial_statistics,

@@ -1,4 +1,4 @@
-"""Normalization statistics (spmd.data.normalization) and FieldTask's data.normalize: per
+"""Normalization statistics (spmd.data.stats.normalization) and FieldTask's data.normalize: per
 channel count, mean, std, min and max of HDF5 and Zarr data, one file or parts, equal NumPy's
 on the concatenated data for any rank count; the file beside the data; stale and missing
 statistics named; a FieldTask that trains on normalized fields and predicts physical ones."""
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from spmd.config.schema import Config, DataConfig, RunConfig, TrainConfig
-from spmd.data import ArrayDataError, ArraySource, BatchField, file_index, write_arrays
-from spmd.data.normalization import (
+from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
+from spmd.data.formats import file_index
+from spmd.data.stats.normalization import (
     compute_statistics,
     load_statistics,
     merge_statistics,

@@ -1,4 +1,5 @@
-"""spmd.data.order: the record order equals grain's seeded epoch shuffle, element for element."""
+"""spmd.data.order: the record order equals grain's seeded epoch shuffle, element for
+element."""
 
 from __future__ import annotations
 

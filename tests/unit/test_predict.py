@@ -26,7 +26,7 @@ import pytest
 
 import spmd
 from spmd.cli.main import main
-from spmd.data.synthetic import TeacherRegression
+from spmd.data.sources.synthetic import TeacherRegression
 from spmd.errors import ExitCode, SpmdError
 from spmd.inference.exporting import export_model
 from spmd.inference.outputs import output_format

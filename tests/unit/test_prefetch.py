@@ -1,4 +1,4 @@
-"""Background reads (spmd.data.prefetch through BatchFeed): bit-identical batches with and
+"""Background reads (spmd.data.loader.prefetch through BatchFeed): bit-identical batches with and
 without prefetch, the same batches for a resumed run, read errors raised by the step that
 needs them, the time the loop waited, and a clean exit with reads in flight."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from spmd.config.schema import MeshConfig
 from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
-from spmd.data.feed import BatchFeed
+from spmd.data.loader.feed import BatchFeed
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import rules_for
 from tests.helpers.env import REPO, clean_env
@@ -161,7 +161,7 @@ sys.path.insert(0, {repo!r})
 import jax, numpy as np
 from spmd.config.schema import MeshConfig
 from spmd.data import ArraySource, BatchField
-from spmd.data.feed import BatchFeed
+from spmd.data.loader.feed import BatchFeed
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import rules_for
 
@@ -194,7 +194,7 @@ def test_exit_with_reads_in_flight_does_not_hang(data):
 def test_the_thread_that_finishes_a_step_combines_it():
     """The last part's thread runs `combine` (the feed builds device arrays there); an
     exception in combine is raised by get() of that step only."""
-    from spmd.data.prefetch import Prefetcher
+    from spmd.data.loader.prefetch import Prefetcher
 
     combined_in: list[str] = []
 
@@ -226,7 +226,7 @@ def test_a_starved_caller_is_handed_the_whole_window_but_never_waits_on_a_hung_r
     """A caller that has to wait waits for the steps after its own too (they then come
     without a wake-up each); a later step whose read hangs holds a done step back for at
     most twice the window's time at the recent pace."""
-    from spmd.data.prefetch import Prefetcher
+    from spmd.data.loader.prefetch import Prefetcher
 
     stuck = threading.Event()
 

@@ -1,4 +1,4 @@
-"""`spmd data rechunk IN OUT` (spmd.data.rechunk): xarray-written NetCDF4 files and a Zarr
+"""`spmd data rechunk IN OUT` (spmd.data.formats.rechunk): xarray-written NetCDF4 files and a Zarr
 store rewritten with chunks of one time step; decoded values and CF packing unchanged, and
 the layout warning of `spmd data info` gone."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from spmd.data.rechunk import rechunk
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.rechunk import rechunk
+from spmd.data.formats.stores import ArrayDataError
 from tests.helpers.env import REPO, clean_env
 from tests.helpers.era5_files import write_era5_years, write_wb2_zarr
 
@@ -55,9 +55,9 @@ def test_legacy_cds_netcdf3_files_are_rewritten_as_chunked_netcdf4(tmp_path):
 
 
 def test_zarr_store_is_rechunked_and_the_layout_warning_goes(tmp_path, monkeypatch):
-    from spmd.data import gridded_windows
     from spmd.data.batch import BatchField
-    from spmd.data.channels import parse_channels
+    from spmd.data.cf.channels import parse_channels
+    from spmd.data.sources import gridded_windows
 
     store = write_wb2_zarr(tmp_path / "wb2.zarr", (2000,), time_chunk=64)
     out = tmp_path / "wb2_t1.zarr"

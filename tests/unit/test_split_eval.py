@@ -1,7 +1,7 @@
 """spmd.loop.split_eval: an evaluation scores every example of a split once, whatever the
 batch size: its partial last batch is padded and the padding taken out, nothing wraps round,
 and `max_batches` caps it at whole batches. Checked against NumPy over a file h5py wrote,
-under data parallelism and under spatial slabs (spmd.data.padded_tail passes regions)."""
+under data parallelism and under spatial slabs (spmd.data.sources.padded_tail passes regions)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 
 from spmd.config.schema import MeshConfig
 from spmd.data import ArraySource, BatchField
-from spmd.data.feed import BatchFeed
-from spmd.data.padded_tail import PaddedTail
+from spmd.data.loader.feed import BatchFeed
+from spmd.data.sources.padded_tail import PaddedTail
 from spmd.engine.mesh import build_mesh
 from spmd.loop.split_eval import evaluate
 from spmd.sharding import rules_for

@@ -212,7 +212,7 @@ def test_report_lists_stragglers_by_rank(tmp_path, capsys):
 PROBE = """
 import time
 from types import SimpleNamespace as NS
-import spmd.data.feed as feed
+import spmd.data.loader.feed as feed
 began = time.perf_counter()
 assert feed.BatchFeed.global_batch(NS(fields={}), None, 0) == {}
 print(getattr(feed.BatchFeed.global_batch, "fault", None), time.perf_counter() - began)

@@ -15,12 +15,12 @@ import pytest
 import xarray as xr
 
 from spmd.data.batch import BatchField
-from spmd.data.cf_decode import coding_of, decode
-from spmd.data.channels import Channel, parse_channels
+from spmd.data.cf.cf_decode import coding_of, decode
+from spmd.data.cf.channels import Channel, parse_channels
+from spmd.data.cf.time_splits import check_splits, split_range
 from spmd.data.data_config import DataConfig, WindowConfig
-from spmd.data.gridded_windows import GriddedWindowSource
-from spmd.data.stores import ArrayDataError, detect_format
-from spmd.data.time_splits import check_splits, split_range
+from spmd.data.formats.stores import ArrayDataError, detect_format
+from spmd.data.sources.gridded_windows import GriddedWindowSource
 from tests.helpers.era5_files import LEVELS, grid, land, write_era5_years, write_wb2_zarr
 
 VARIABLES = ["t2m", "u10", "v10", "msl", {"geopotential": [500, 850]}]
@@ -389,7 +389,7 @@ def test_new_cds_names_and_an_irregular_step(tmp_path):
 def test_layout_warning_names_the_rechunk_command(files, monkeypatch):
     """A time chunk longer than a read block (netCDF's default chunks of a large grid) is
     named by `spmd data info` with the command that rechunks; contiguous files are not."""
-    from spmd.data import gridded_windows
+    from spmd.data.sources import gridded_windows
 
     assert source(files["root"] / "nc", time_range=(None, END_2001)).layout_warnings() == []
     monkeypatch.setattr(gridded_windows, "BLOCK_BYTES", 32 * 1024)     # as for a large grid
@@ -498,7 +498,7 @@ def test_data_info_says_what_it_knows_of_nan(tmp_path):
     """`spmd data info` (the source's describe) does not read every frame: it says so, and
     once `spmd data stats` stored the split's statistics, it names the channels with missing
     values and what data.nan: error will do with them (issue 49)."""
-    from spmd.data.normalization import data_fingerprint, write_statistics
+    from spmd.data.stats.normalization import data_fingerprint, write_statistics
 
     write_era5_years(tmp_path / "sst", (2000,), zlib_year=None, sst=True)
     src = source(tmp_path / "sst", ["t2m", "sst"], nan="error", time_range=(None, None))
@@ -514,7 +514,7 @@ def test_data_info_says_what_it_knows_of_nan(tmp_path):
 
 def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
     from spmd.data.data_config import SourceSections
-    from spmd.data.windows import WindowSource
+    from spmd.data.sources.windows import WindowSource
 
     cfg = SourceSections(DataConfig(path=tmp_path / "x.h5", fields={"u": "w"},
                                     window=WindowConfig()), batch_size=2)
@@ -583,7 +583,7 @@ checkpoint: {{every: 3, persistent_every: 3}}
 def test_stored_array_windows_refuse_level_as_time(files):
     """WindowSource (windows of stored arrays, positional axes) refuses a WB2 variable whose
     level would be read as time (a CF-packed one is decoded: tests/unit/test_arrays_cf.py)."""
-    from spmd.data.windows import WindowSource
+    from spmd.data.sources.windows import WindowSource
 
     def windows(path, dataset, frame):
         fields = {n: BatchField(frame, np.float32, AXES[:len(frame) + 1]) for n in "uv"}
@@ -598,7 +598,7 @@ def test_stored_array_windows_refuse_level_as_time(files):
 
 
 def test_a_missing_file_is_named_missing_not_truncated(tmp_path):
-    from spmd.data.gridded_timeline import scan_file
+    from spmd.data.cf.gridded_timeline import scan_file
 
     with pytest.raises(ArrayDataError) as e:
         scan_file(tmp_path / "absent.nc", "data.path")

@@ -182,7 +182,7 @@ def test_spmd_eval_reports_lat_weighted_rmse_against_persistence(flagship):
 def test_gridded_names_are_exported_where_users_look():
     import spmd
     import spmd.data
-    from spmd.data.gridded_windows import GriddedWindowSource
+    from spmd.data.sources.gridded_windows import GriddedWindowSource
     from spmd.tasks.gridded_task import GriddedTrajectoryTask
     from spmd.tasks.weather_fno import WeatherFNO
 

@@ -1,4 +1,5 @@
-"""Trajectory windows (spmd.data.windows): the windows equal a NumPy reference built by hand,
+"""Trajectory windows (spmd.data.sources.windows): the windows equal a NumPy reference built by
+hand,
 never cross a trajectory boundary, read the same from one file or parts, in an order that
 depends only on (seed, step), bit-identical through the feed with and without prefetch; a
 slab read reads only the slab; errors name the key to change."""
@@ -14,10 +15,11 @@ import pytest
 import zarr
 
 from spmd.config.schema import DataConfig, MeshConfig, WindowConfig
-from spmd.data import ArrayDataError, BatchField, file_index, stores, write_arrays
+from spmd.data import ArrayDataError, BatchField, write_arrays
 from spmd.data.data_config import SourceSections
-from spmd.data.feed import BatchFeed
-from spmd.data.windows import WindowSource
+from spmd.data.formats import file_index, stores
+from spmd.data.loader.feed import BatchFeed
+from spmd.data.sources.windows import WindowSource
 from spmd.engine.mesh import build_mesh
 from spmd.sharding import rules_for
 

@@ -1,4 +1,4 @@
-"""spmd.data.zarr_chunks: records of Zarr v3 arrays of one record per chunk read from their
+"""spmd.data.formats.zarr_chunks: records of Zarr v3 arrays of one record per chunk read from their
 chunk files equal what zarr reads; other layouts go through zarr; a damaged chunk file
 is named."""
 
@@ -12,8 +12,8 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ZstdCodec
 
 from spmd.data import ArrayDataError, ArraySource, BatchField, write_arrays
-from spmd.data.stores import Store
-from spmd.data.zarr_chunks import ChunkRecords
+from spmd.data.formats.stores import Store
+from spmd.data.formats.zarr_chunks import ChunkRecords
 
 ROWS, SHAPE = 13, (6, 4)
 FIELD = {"u": BatchField((*SHAPE, 1), np.float32, ("batch", "x", "y", None))}

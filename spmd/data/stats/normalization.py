@@ -1,12 +1,12 @@
 """Per-channel statistics of stored fields, for training on normalized data (data.normalize).
 
 For each dataset path of `data.path` (one store, a directory of stores or a glob: the
-concatenation of spmd.data.file_index), over its first `rows` records: per channel (the
+concatenation of spmd.data.formats.file_index), over its first `rows` records: per channel (the
 stored last axis) the count, mean, population standard deviation (ddof=0), minimum and
 maximum. A dataset without a channel axis has one "channel": all its values.
 
 CF-coded NetCDF4 / Zarr variables (packed, fill values) are decoded as xarray decodes them
-(spmd.data.cf_decode), per member file, before the statistics are taken: as ArraySource
+(spmd.data.cf.cf_decode), per member file, before the statistics are taken: as ArraySource
 reads them.
 
 Missing values: NaN (and +-inf) are left out, per channel: `count` is the channel's valid
@@ -48,9 +48,9 @@ from typing import Any
 import numpy as np
 
 from spmd.atomic_write import write_atomic
-from spmd.data.cf_decode import decode, stored_coding
-from spmd.data.file_index import check_unchanged, has_magic, load_index, resolve
-from spmd.data.stores import ArrayDataError, Store, fingerprint
+from spmd.data.cf.cf_decode import decode, stored_coding
+from spmd.data.formats.file_index import check_unchanged, has_magic, load_index, resolve
+from spmd.data.formats.stores import ArrayDataError, Store, fingerprint
 
 __all__ = ["BLOCK_BYTES", "FieldStatistics", "Moments", "compute_statistics",
            "data_fingerprint", "load_statistics", "merge_statistics", "partial_statistics",
@@ -312,7 +312,7 @@ def statistics_file(path: str | Path, where: str = "data.path") -> Path:
 
 
 def data_fingerprint(path: str | Path, where: str = "data.path") -> dict[str, dict[str, int]]:
-    """Every member's size and mtime (spmd.data.stores.fingerprint), by its name relative
+    """Every member's size and mtime (spmd.data.formats.stores.fingerprint), by its name relative
     to the dataset's base directory (as in the index)."""
     paths, base, cache = resolve(path, where)
     out = {}

@@ -15,7 +15,7 @@ built once, by opening every member for its metadata, and cached beside the data
 for a glob. A later run only stats the members. The index is a cache, never the authority:
 one that no longer matches the files (a member changed, disappeared or appeared) is built
 again, with a warning naming each change and what it does to a resumed run (the global order
-changes with the files; the run's own record, spmd.data.run_inputs, refuses to resume on
+changes with the files; the run's own record, spmd.data.stats.run_inputs, refuses to resume on
 changed data unless `data.allow_changed: true`). Nobody deletes an index by hand.
 
 Integrity: a file being written is never indexed (or fingerprinted) half-written, silently.
@@ -27,12 +27,12 @@ Integrity: a file being written is never indexed (or fingerprinted) half-written
   difference is an error naming the file (it is being written: rerun when it is done).
   A member modified within `FRESH_S` seconds is looked at again after `SETTLE_S` first.
 - `content_stamp` compares size and mtime before and after hashing the same way, and the
-  statistics (spmd.data.normalization) after reading each file.
+  statistics (spmd.data.stats.normalization) after reading each file.
 A Zarr store being written shows only through its metadata files' size and mtime; a chunk
 written after the index shows nowhere: finish writing a store before training on it.
 
 `content_stamp` is the finer fingerprint a run records of each of its inputs, single stores
-included (spmd.data.run_inputs): size and mtime, and a hash of the bytes that change when
+included (spmd.data.stats.run_inputs): size and mtime, and a hash of the bytes that change when
 the data is written again (a file's first and last blocks: the HDF5 / NetCDF header and the
 end of its data; a Zarr store's metadata files; each .npy file's header and last block).
 """
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.atomic_write import write_atomic
-from spmd.data.stores import (
+from spmd.data.formats.stores import (
     ZARR_METADATA,
     ArrayDataError,
     Store,

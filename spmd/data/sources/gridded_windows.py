@@ -3,13 +3,13 @@
 
 The data are files as they exist: yearly NetCDF4 files (ERA5's way) or one Zarr store
 (WeatherBench2's), variables CF-encoded (packed, with fill values), dims in any order.
-`spmd.data.gridded_timeline` checks and orders the files into one timeline; this source cuts it
+`spmd.data.cf.gridded_timeline` checks and orders the files into one timeline; this source cuts it
 into windows of `input_steps + target_steps` consecutive times, stacked as channels.
 
 Invariants:
 - A frame is `(latitude, longitude, C)`: the channels of `data.variables` in the order
-  written (spmd.data.channels), latitude in the first file's order (or data.latitude_order).
-  Values are decoded as xarray decodes them (spmd.data.cf_decode), then cast to the
+  written (spmd.data.cf.channels), latitude in the first file's order (or data.latitude_order).
+  Values are decoded as xarray decodes them (spmd.data.cf.cf_decode), then cast to the
   field's dtype.
 - Record `i` is the i-th window of the split in time order: windows start every `stride`
   steps within a segment of the timeline (no gap inside), with every time of the window in
@@ -23,7 +23,7 @@ Invariants:
 - Reads go by time blocks that follow the files' time chunks (a multiple of the chunk of
   about 8 MiB of frames, or 8 MiB of rows of an unchunked file), decoded once and kept in
   a small cache (`cache_bytes`): windows of neighbouring times (data.shuffle_block's
-  blocks) are cut from blocks in memory. The files are read by spmd.data.gridded_reads
+  blocks) are cut from blocks in memory. The files are read by spmd.data.reads.gridded_reads
   (NetCDF4 with h5py directly); a block is checked for NaN once, and
   a window of NaN-free blocks is copied frame by frame straight into the batch's pooled
   buffers (docs/performance.md, section 7, weather files).
@@ -46,18 +46,18 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.arrays import ArraySource, Region
 from spmd.data.batch import BatchField
-from spmd.data.calendars import AXIS
-from spmd.data.cf_decode import decode
-from spmd.data.channels import Channel, channel_table, parse_channels
+from spmd.data.cf.calendars import AXIS
+from spmd.data.cf.cf_decode import decode
+from spmd.data.cf.channels import Channel, channel_table, parse_channels
+from spmd.data.cf.gridded_timeline import Timeline, build_timeline
+from spmd.data.cf.time_splits import as_time, require_split, split_range
 from spmd.data.data_config import SourceSections
-from spmd.data.forecast_grid import ForecastGrid, forecast_grid
-from spmd.data.gridded_reads import GriddedReader
-from spmd.data.gridded_timeline import Timeline, build_timeline
-from spmd.data.normalization import Moments
-from spmd.data.stores import ArrayDataError
-from spmd.data.time_splits import as_time, require_split, split_range
+from spmd.data.formats.stores import ArrayDataError
+from spmd.data.reads.gridded_reads import GriddedReader
+from spmd.data.sources.arrays import ArraySource, Region
+from spmd.data.sources.forecast_grid import ForecastGrid, forecast_grid
+from spmd.data.stats.normalization import Moments
 
 __all__ = ["GriddedWindowSource", "NAN_POLICIES"]
 
@@ -313,7 +313,7 @@ class GriddedWindowSource(ArraySource):
         were scanned (`spmd data info`)."""
         import json
 
-        from spmd.data.normalization import statistics_file
+        from spmd.data.stats.normalization import statistics_file
 
         try:
             target = statistics_file(self.path, self.where)
@@ -402,7 +402,7 @@ class GriddedWindowSource(ArraySource):
     def channel_statistics(self) -> dict[str, np.ndarray]:
         """Per channel over every time of the split's windows, NaN ignored (float64): count
         (valid values), mean, std (population), min, max. Blocks are merged with
-        spmd.data.normalization's pairwise update (Chan et al.), so a field of large mean
+        spmd.data.stats.normalization's pairwise update (Chan et al.), so a field of large mean
         (geopotential, ~5e4) keeps its std to float64 rounding."""
         c = len(self.channels)
         total = Moments.empty(c)
@@ -417,7 +417,7 @@ class GriddedWindowSource(ArraySource):
 
     def statistics_key(self) -> str:
         """The name of this split's channel statistics in the statistics file beside the
-        data (spmd.data.normalization): the channels and the time range."""
+        data (spmd.data.stats.normalization): the channels and the time range."""
         return f"variables[{','.join(c.name for c in self.channels)}] {self._range_text()}"
 
     def statistics_part(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Formats (what `detect_format` sees on disk):
 - `netcdf`: a NetCDF4 file (`.nc`, `.nc4`, `.cdf`, `.netcdf`), read through h5netcdf; a
   variable `u0` in group `train` is the dataset path `train/u0`.
 - `netcdf3`: a NetCDF3 file, classic or 64-bit offset (by its first bytes, whatever its
-  name; `data.source: netcdf` covers both), read through SciPy (`spmd.data.netcdf3`); CDF5
+  name; `data.source: netcdf` covers both), read through SciPy (`spmd.data.formats.netcdf3`); CDF5
   is refused with the commands that convert it.
 - `zarr`: a Zarr store directory (`*.zarr`, or any directory with a `zarr.json`; v3, sharded
   arrays included, and v2); arrays at the dataset paths, nested in groups.
@@ -33,7 +33,7 @@ import h5py
 import numpy as np
 
 from spmd.atomic_write import atomic_path
-from spmd.data.netcdf3 import NetCDF3File, netcdf3_kind, unreadable_netcdf3
+from spmd.data.formats.netcdf3 import NetCDF3File, netcdf3_kind, unreadable_netcdf3
 from spmd.errors import SpmdError
 
 FORMATS = ("hdf5", "netcdf", "zarr", "npy")     # written by write_arrays; read: + netcdf3
@@ -42,8 +42,8 @@ HDF5_SUFFIXES = (".h5", ".hdf5", ".he5", ".hdf")
 ZARR_SUFFIX = ".zarr"
 ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs")
 
-# the xarray backend that reads each format's CF metadata (spmd.data.gridded_timeline,
-# spmd.data.cf_decode, spmd.data.rechunk)
+# the xarray backend that reads each format's CF metadata (spmd.data.cf.gridded_timeline,
+# spmd.data.cf.cf_decode, spmd.data.formats.rechunk)
 XARRAY_ENGINES = {"netcdf": "h5netcdf", "netcdf3": "scipy", "zarr": "zarr"}
 
 
@@ -192,8 +192,8 @@ class Store:
 
     def direct(self, dataset: str, key: str) -> Any:
         """A reader of whole records straight from the files' bytes, found once per dataset:
-        `spmd.data.direct_reads.FileRecords` for an uncompressed HDF5 / NetCDF4 dataset,
-        `spmd.data.zarr_chunks.ChunkRecords` for a Zarr v3 array of one record per chunk;
+        `spmd.data.formats.direct_reads.FileRecords` for an uncompressed HDF5 / NetCDF4 dataset,
+        `spmd.data.formats.zarr_chunks.ChunkRecords` for a Zarr v3 array of one record per chunk;
         None otherwise (read through `get`). A FileRecords' records are read with
         `direct_reads.read_jobs` at its offsets; `ChunkRecords.read(rows, buffers)` returns
         the records it left and how many missed the page cache; `reader.advise(rows)` (both)
@@ -204,14 +204,14 @@ class Store:
             if dataset not in self._layouts:
                 array = self.get(dataset, key)
                 if self.format == "zarr":
-                    from spmd.data.zarr_chunks import ChunkRecords
+                    from spmd.data.formats.zarr_chunks import ChunkRecords
 
                     reader, why = ChunkRecords.find(array)
                     self._layouts[dataset] = reader
                     self._reads[dataset] = why if reader is not None else \
                         f"through zarr: {why}"
                 else:
-                    from spmd.data.direct_reads import DirectLayout, FileRecords
+                    from spmd.data.formats.direct_reads import DirectLayout, FileRecords
 
                     if self._fd is None:
                         self._fd = os.open(self.path, os.O_RDONLY)

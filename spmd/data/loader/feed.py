@@ -10,7 +10,7 @@ return arrays of exactly that shape. Any other source is called as `rows(step, s
 stop)` and returns whole examples; JAX then keeps the part this process's devices hold.
 An axis whose local indices are not one contiguous range is asked for in full.
 
-Background reads (spmd.data.prefetch): a source with `prefetch = k > 0` (ArraySource from
+Background reads (spmd.data.loader.prefetch): a source with `prefetch = k > 0` (ArraySource from
 the config's data.prefetch) has the host arrays of steps s+1 .. s+k read by
 `read_threads` daemon threads while step s runs: whole steps, or, for steps of more than
 `MIN_PART_BYTES` per thread, each step's rows split into up to `read_threads` row
@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from spmd.data.batch import BatchField, DataSource
-from spmd.data.prefetch import Prefetcher
+from spmd.data.loader.prefetch import Prefetcher
 from spmd.errors import ConfigError
 from spmd.sharding import RuleTable, logical_to_spec
 

@@ -1,7 +1,8 @@
 """The data a run trains on, fingerprinted per run: a resumed job reads the data its run began
 with, or says which file changed.
 
-The batch of step s is a pure function of the seed, s and the data (spmd.data.order), so a job
+The batch of step s is a pure function of the seed, s and the data (spmd.data.order), so a
+job
 that resumes a run on other data trains from the restored step on as the run never did, with
 no error. Each job therefore fingerprints every file of `data.path` (one store, a directory
 of stores, a glob, a Zarr store alike: `file_index.content_stamp` of each member) and records
@@ -25,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from spmd.atomic_write import write_atomic
-from spmd.data.file_index import _rel, content_stamp, data_exists, resolve
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.file_index import _rel, content_stamp, data_exists, resolve
+from spmd.data.formats.stores import ArrayDataError
 
 log = logging.getLogger("spmd.data")
 

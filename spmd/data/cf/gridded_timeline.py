@@ -2,11 +2,11 @@
 
 Why: ERA5 comes as yearly (or monthly) files, WeatherBench2 as one Zarr store; a model
 steps through time across them. Each file's metadata are read once with xarray (dims by
-name, time decoded the CF way, the variables' packing in `spmd.data.cf_decode`), then
+name, time decoded the CF way, the variables' packing in `spmd.data.cf.cf_decode`), then
 checked together, so nothing is mixed in silently:
 
 - times are read in any CF calendar (standard, proleptic_gregorian, noleap / 365_day,
-  all_leap / 366_day, 360_day, julian; spmd.data.calendars), one calendar per timeline;
+  all_leap / 366_day, 360_day, julian; spmd.data.cf.calendars), one calendar per timeline;
 - dimensions are found by name (time: `time`/`valid_time`; level: `level`,
   `pressure_level`, `plev`, `isobaricInhPa`; `latitude`/`lat`; `longitude`/`lon`), in
   whatever order the file stores them;
@@ -37,12 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.calendars import STANDARD as STANDARD_CALENDAR
-from spmd.data.calendars import Calendar, axis_times
-from spmd.data.cf_decode import Coding, coding_of
-from spmd.data.channels import COORDINATE_CONSTANTS, Channel
-from spmd.data.netcdf3 import unreadable_netcdf3
-from spmd.data.stores import ArrayDataError, detect_format, fingerprint, open_xarray
+from spmd.data.cf.calendars import STANDARD as STANDARD_CALENDAR
+from spmd.data.cf.calendars import Calendar, axis_times
+from spmd.data.cf.cf_decode import Coding, coding_of
+from spmd.data.cf.channels import COORDINATE_CONSTANTS, Channel
+from spmd.data.formats.netcdf3 import unreadable_netcdf3
+from spmd.data.formats.stores import ArrayDataError, detect_format, fingerprint, open_xarray
 
 __all__ = ["FileAxes", "Timeline", "VarInfo", "build_timeline", "scan_file"]
 

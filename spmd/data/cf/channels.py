@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.stores import ArrayDataError
 
 __all__ = ["COORDINATE_CONSTANTS", "Channel", "channel_table", "parse_channels"]
 

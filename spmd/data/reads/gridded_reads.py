@@ -1,12 +1,12 @@
 """Reading the channels of a gridded timeline's files: rows of one variable (and level) of
-one file, as stored or decoded, and the constant fields (spmd.data.gridded_windows reads
+one file, as stored or decoded, and the constant fields (spmd.data.sources.gridded_windows reads
 its blocks through this).
 
 Invariants:
 - `raw` returns rows [lo, hi) of a channel of timeline file k as (time, latitude,
   longitude), whatever the variable's dimension order in the file, latitude as stored, the
   values as stored (packed counts stay counts); `decoded` decodes them as xarray does
-  (spmd.data.cf_decode) and puts latitude in the timeline's order.
+  (spmd.data.cf.cf_decode) and puts latitude in the timeline's order.
 - NetCDF4 variables are read with h5py directly (a NetCDF4 variable of the root group is
   the HDF5 dataset of its name): the same raw values as h5netcdf, without its bookkeeping
   per access. Each file is opened once, each (file, variable) looked up once (h5py's
@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.cf_decode import decode
-from spmd.data.channels import COORDINATE_CONSTANTS, Channel
-from spmd.data.gridded_timeline import Timeline, level_index
-from spmd.data.stores import ArrayDataError
+from spmd.data.cf.cf_decode import decode
+from spmd.data.cf.channels import COORDINATE_CONSTANTS, Channel
+from spmd.data.cf.gridded_timeline import Timeline, level_index
+from spmd.data.formats.stores import ArrayDataError
 
 __all__ = ["GriddedReader"]
 
@@ -140,7 +140,7 @@ class GriddedReader:
                 return self._h5_nodes[(k, name)]
             handle = self._h5.get(k)
             if handle is None:
-                from spmd.data.field_files import open_h5  # h5py: imported when read
+                from spmd.data.formats.field_files import open_h5  # h5py: imported when read
 
                 try:
                     handle = open_h5(f.path)   # without file locking where flock is refused

@@ -13,7 +13,7 @@ all its times lie in [start, end] (both ends included; either may be left out: t
 or the end of the data). As in xarray's `sel(time=slice(start, end))`, an end written as a
 date is its whole day (`2001-12-31` ends at 23:59:59.999999; a month or a year likewise),
 and a start is the period's first instant. Dates are dates of the data's calendar
-(spmd.data.calendars): `2019-02-30` is a day of a 360_day file.
+(spmd.data.cf.calendars): `2019-02-30` is a day of a 360_day file.
 
 Invariants:
 - Splits whose ranges overlap are refused, naming both and the overlap, unless
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.calendars import STANDARD, Calendar
-from spmd.data.stores import ArrayDataError
+from spmd.data.cf.calendars import STANDARD, Calendar
+from spmd.data.formats.stores import ArrayDataError
 
 __all__ = ["as_time", "check_splits", "require_split", "split_range"]
 
@@ -40,7 +40,7 @@ __all__ = ["as_time", "check_splits", "require_split", "split_range"]
 def as_time(value: Any, key: str, end: bool = False,
             calendar: Calendar = STANDARD) -> np.datetime64 | None:
     """A config time (`2002-01-01`, `2002-01-01T06:00`, a YAML date) as an axis time of
-    `calendar` (datetime64[us]; spmd.data.calendars). With `end`, the last microsecond of
+    `calendar` (datetime64[us]; spmd.data.cf.calendars). With `end`, the last microsecond of
     the period written, as xarray's `sel(time=slice(..., "2002-01-01"))` reads it: a date
     is its whole day, `2002-03` the month, `2002` the year, `2002-01-01T06` the hour."""
     if value is None:

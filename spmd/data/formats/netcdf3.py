@@ -9,7 +9,7 @@ of reading them.
 
 How: SciPy's NetCDF3 reader (`scipy.io.netcdf_file`, a dependency already) maps the file
 (`mmap`) without decoding (`maskandscale=False`); CF decoding stays with xarray's rules
-(`spmd.data.cf_decode`), as for NetCDF4 and Zarr. A read returns native-endian values
+(`spmd.data.cf.cf_decode`), as for NetCDF4 and Zarr. A read returns native-endian values
 (NetCDF3 stores big-endian), copied out of the map, so no array outlives the file. A
 variable of the unlimited dimension is stored record by record, interleaved with the other
 record variables; a block of time steps is one strided read of the map.

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from spmd.data.data_config import DATE
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.stores import ArrayDataError
 
 __all__ = ["AXIS", "CALENDARS", "Calendar", "STANDARD", "axis_times"]
 

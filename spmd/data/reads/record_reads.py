@@ -1,10 +1,10 @@
 """How ArraySource reads the records of one `rows` call into the batch buffers.
 
-Three paths, tried in this order for each field (spmd.data.arrays holds the rest of the
+Three paths, tried in this order for each field (spmd.data.sources.arrays holds the rest of the
 source: order, members, checks):
 1. Whole records straight from the files' bytes, where the bytes on disk are the values:
-   uncompressed HDF5 / NetCDF4 (spmd.data.direct_reads: one pread per record) and Zarr v3
-   arrays of one record per chunk (spmd.data.zarr_chunks: one chunk file per record).
+   uncompressed HDF5 / NetCDF4 (spmd.data.formats.direct_reads: one pread per record) and Zarr v3
+   arrays of one record per chunk (spmd.data.formats.zarr_chunks: one chunk file per record).
 2. Zarr reads left over (slabs, sharded arrays, fill values): one orthogonal selection per
    array, all of a call's in one round trip to zarr's event loop.
 3. HDF5 (through h5py) and .npy memory maps: one selection per record.
@@ -31,16 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data import direct_reads
-from spmd.data.direct_reads import FileRecords, ShortRead
+from spmd.data.formats import direct_reads
+from spmd.data.formats.direct_reads import FileRecords, ShortRead
+from spmd.data.formats.stores import Store
 from spmd.data.order import BlockOrder
-from spmd.data.stores import Store
 
 __all__ = ["RecordReads"]
 
 
 class RecordReads:
-    """The reading half of spmd.data.arrays.ArraySource (a mixin: it uses the source's
+    """The reading half of spmd.data.sources.arrays.ArraySource (a mixin: it uses the source's
     index, members, datasets and errors)."""
 
     # Readahead: after a direct read that missed the page cache, every call announces the
@@ -142,8 +142,8 @@ class RecordReads:
                      rows: np.ndarray, stores: dict[int, Store], records: list[int]
                      ) -> tuple[list[int], int, int]:
         """Whole records straight from the files' bytes into `value` (uncompressed HDF5 /
-        NetCDF4: spmd.data.direct_reads, every member's records of the call in one
-        `read_jobs`; Zarr v3, one record per chunk: spmd.data.zarr_chunks, per member);
+        NetCDF4: spmd.data.formats.direct_reads, every member's records of the call in one
+        `read_jobs`; Zarr v3, one record per chunk: spmd.data.formats.zarr_chunks, per member);
         `members` and `rows` are int arrays, one entry per batch row. Returns the batch rows
         left to read otherwise (other layouts, never-written chunks), the bytes read and how
         many records were not in the page cache."""

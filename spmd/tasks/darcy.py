@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.field_files import FieldsInfo, solver_attrs, write_fields
+from spmd.data.formats.field_files import FieldsInfo, solver_attrs, write_fields
 from spmd.errors import SpmdError
 
 # scipy is imported where a field is sampled or solved: every rank imports this module (the

@@ -20,8 +20,8 @@ tests/unit/test_weather_data.py). `_Unsigned` (netCDF's unsigned-as-signed hack)
 with the variable named.
 
 `stored_coding` gives the Coding of a stored array that the readers of plain arrays
-(spmd.data.arrays.ArraySource, spmd.data.windows.WindowSource, the statistics of
-spmd.data.normalization) decode: its attributes are looked at first (cheap), and only a
+(spmd.data.sources.arrays.ArraySource, spmd.data.sources.windows.WindowSource, the statistics of
+spmd.data.stats.normalization) decode: its attributes are looked at first (cheap), and only a
 variable that carries CF coding (`scale_factor`, `add_offset`, a non-NaN `_FillValue` or
 `missing_value`) is opened with xarray, once, for xarray's view of it.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.stores import XARRAY_ENGINES, ArrayDataError, open_xarray
+from spmd.data.formats.stores import XARRAY_ENGINES, ArrayDataError, open_xarray
 
 __all__ = ["CF_FORMATS", "Coding", "coding_of", "decode", "has_cf_coding", "stored_coding"]
 

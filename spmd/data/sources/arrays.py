@@ -1,7 +1,7 @@
 """Named fields of on-disk arrays as a deterministic DataSource for scientific data.
 
-A dataset is one store or many (spmd.data.stores: HDF5, NetCDF4, Zarr, directories of .npy
-files; spmd.data.file_index: a directory or glob of stores, concatenated along the first
+A dataset is one store or many (spmd.data.formats.stores: HDF5, NetCDF4, Zarr, directories of .npy
+files; spmd.data.formats.file_index: a directory or glob of stores, concatenated along the first
 axis) holding one array per field, examples along the first axis: e.g.
 `{"u0": "train/u0", "u1": "train/u1"}` names the dataset path of each batch field.
 
@@ -20,10 +20,10 @@ Invariants:
 - `rows(step, start, stop, region)` reads only the records of rows [start, stop), and of
   each record only `region[field]` (a half-open index range per example axis): one
   hyperslab read (chunked formats) or memmap slice per record and field; whole records of
-  uncompressed HDF5 / NetCDF4 datasets (spmd.data.direct_reads: one pread each) and of
-  Zarr v3 arrays of one record per chunk (spmd.data.zarr_chunks: one chunk file each) are
+  uncompressed HDF5 / NetCDF4 datasets (spmd.data.formats.direct_reads: one pread each) and of
+  Zarr v3 arrays of one record per chunk (spmd.data.formats.zarr_chunks: one chunk file each) are
   read straight from the files' bytes instead, with the same values. `reads_slabs =
-  True` tells the feed (spmd.data.feed) that it may ask for a process's slab of a
+  True` tells the feed (spmd.data.loader.feed) that it may ask for a process's slab of a
   spatially split field.
 - Members are opened lazily, when a row they hold is read (at most `max_open` at once);
   `opened_files` lists them. The index (record counts and shapes) comes from the cached
@@ -31,7 +31,7 @@ Invariants:
 - A stored example has the field's `BatchField.example_shape`, or that shape without a
   trailing channel axis of size 1 (added on read). Values are cast to the field's dtype.
 - CF-coded NetCDF4 / Zarr variables are decoded as xarray decodes them
-  (spmd.data.cf_decode): `scale_factor`, `add_offset`, and `_FillValue` / `missing_value`
+  (spmd.data.cf.cf_decode): `scale_factor`, `add_offset`, and `_FillValue` / `missing_value`
   become NaN; per member file (the attributes may differ between files), then cast to the
   field's dtype. A packed dtype the field's dtype cannot hold exactly (int32 packing in a
   float32 field) is refused.
@@ -53,13 +53,13 @@ import numpy as np
 
 from spmd.data.batch import BatchField
 from spmd.data.buffer_pool import BufferPool
-from spmd.data.cf_decode import CF_FORMATS, Coding, decode, stored_coding
+from spmd.data.cf.cf_decode import CF_FORMATS, Coding, decode, stored_coding
 from spmd.data.data_config import SourceSections
-from spmd.data.file_index import FileIndex, load_index
-from spmd.data.member_leases import MemberLeases
+from spmd.data.formats.file_index import FileIndex, load_index
+from spmd.data.formats.member_leases import MemberLeases
+from spmd.data.formats.stores import ArrayDataError, Store, detect_format, write_arrays
 from spmd.data.order import BlockOrder, EpochOrder, make_order
-from spmd.data.record_reads import RecordReads
-from spmd.data.stores import ArrayDataError, Store, detect_format, write_arrays
+from spmd.data.reads.record_reads import RecordReads
 
 __all__ = ["ArrayDataError", "ArraySource", "Region", "store_format", "write_arrays"]
 
@@ -336,7 +336,7 @@ class ArraySource(RecordReads, MemberLeases):
                 stores: Mapping[int, Store]) -> None:
         """Decode in place the rows of `value` (field `name`) read from CF-coded members:
         the raw values, cast exactly to the field's dtype, go through xarray's steps
-        (spmd.data.cf_decode) and are cast back."""
+        (spmd.data.cf.cf_decode) and are cast back."""
         if not len(value):
             return
         for m in np.unique(member_of).tolist():
@@ -349,7 +349,7 @@ class ArraySource(RecordReads, MemberLeases):
                     value[rows] = decode(value[rows], coding)
 
     def statistics_plan(self) -> dict[str, tuple[bool, int]]:
-        """What `spmd data stats` computes for this source (spmd.data.normalization): per
+        """What `spmd data stats` computes for this source (spmd.data.stats.normalization): per
         distinct dataset path, (per_channel, rows). per_channel: every field stored there
         has the logical last axis "channels" and the stored array has that axis (not a
         trailing channel axis of 1 left out); rows: the records used (`count`)."""

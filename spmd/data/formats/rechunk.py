@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spmd.data.stores import NETCDF_SUFFIXES, XARRAY_ENGINES, ArrayDataError, detect_format
+from spmd.data.formats.stores import NETCDF_SUFFIXES, XARRAY_ENGINES, ArrayDataError, detect_format
 
 __all__ = ["rechunk"]
 

@@ -30,10 +30,10 @@ Invariants:
 - Every error names the file, the dataset path and the key to change (`data.window.*`,
   `data.fields.*`, `data.path`); a damaged file's error names the window too.
 - A CF-coded NetCDF / Zarr variable (packed, fill values) is decoded as xarray decodes it,
-  per member file (ArraySource's rule, spmd.data.cf_decode).
+  per member file (ArraySource's rule, spmd.data.cf.cf_decode).
 - Windows of stored arrays take axes by position: a NetCDF / Zarr variable whose dimension
   names put a level or a grid axis first is refused (gridded files are read by
-  spmd.data.gridded_windows, `data.variables`); so is a test split read from a path
+  spmd.data.sources.gridded_windows, `data.variables`); so is a test split read from a path
   without `{split}` (it would be the train split).
 """
 
@@ -48,11 +48,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from spmd.data.arrays import ArraySource, Region
 from spmd.data.batch import BatchField
-from spmd.data.cf_decode import decode
+from spmd.data.cf.cf_decode import decode
 from spmd.data.data_config import SourceSections
-from spmd.data.stores import ArrayDataError
+from spmd.data.formats.stores import ArrayDataError
+from spmd.data.sources.arrays import ArraySource, Region
 
 __all__ = ["LAYOUTS", "WindowSource"]
 

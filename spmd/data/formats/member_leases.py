@@ -1,6 +1,6 @@
 """Which members (stores) of a dataset are open, and for whom: leases.
 
-A mixin of spmd.data.arrays.ArraySource: it uses the source's `files` (the dataset's
+A mixin of spmd.data.sources.arrays.ArraySource: it uses the source's `files` (the dataset's
 members), `_where`, `_lock`, `_stores` (member -> open Store, least recently used first),
 `_busy` (member -> leases held), `opened_files` and `max_open`.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmd.data.stores import Store
+from spmd.data.formats.stores import Store
 
 __all__ = ["MemberLeases"]
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.data.direct_reads import WILLNEED, ShortRead, read_cached
+from spmd.data.formats.direct_reads import WILLNEED, ShortRead, read_cached
 
 __all__ = ["ChunkRecords"]
 

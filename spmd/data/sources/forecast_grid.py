@@ -6,7 +6,7 @@ Invariants:
 - Record i of a prediction belongs to window i of the source in time order (predict reads
   without shuffling); its initial time is the window's last input frame, and lead k
   (1 .. rollout) is k steps of the data's time step after it.
-- Times are axis times of the data's calendar (spmd.data.calendars): as "hours since
+- Times are axis times of the data's calendar (spmd.data.cf.calendars): as "hours since
   1970-01-01 00:00:00" in that calendar they are written exactly, whatever the calendar.
 - A calendar-month or -year step has no fixed length: such a forecast has leads in steps
   but no `valid_time`.
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd.data.calendars import Calendar
-from spmd.data.channels import Channel
-from spmd.data.gridded_timeline import CALENDAR_UNITS, Timeline, step_text
+from spmd.data.cf.calendars import Calendar
+from spmd.data.cf.channels import Channel
+from spmd.data.cf.gridded_timeline import CALENDAR_UNITS, Timeline, step_text
 
 __all__ = ["ForecastGrid", "forecast_grid"]
 
