@@ -35,15 +35,6 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
-# glibc's malloc hands every buffer over 128 KiB back to the kernel when it is freed, so a
-# rank that runs many steps of a mid-sized model (the README's main job: FNO activations of
-# several MiB) faults in fresh zeroed pages at every step: about a quarter of its CPU time was
-# in the kernel. Keeping freed memory in the process (buffers up to 32 MiB from the heap, no
-# trimming) cut that run's CPU by about a tenth on 2 cores (docs/performance.md section 8);
-# tiny programs do not notice. Read at a child's start only (the pytest process has begun).
-os.environ.update({"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-                   "MALLOC_TRIM_THRESHOLD_": str(16 << 30), "MALLOC_TOP_PAD_": str(512 << 20)})
-
 XLA_CACHE = {"JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="spmd-tests-xla-cache-"),
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
