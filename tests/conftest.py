@@ -38,10 +38,10 @@ def _test_dirs(item: pytest.Item) -> tuple[str, ...]:
 # The longest modules (minutes each on 2 cores) start first, so that under pytest-xdist no
 # worker is left with one of them at the end while the other idles. Order only: every test
 # is independent of the others.
-LONG_FIRST = ("tests/multiprocess/test_main_job.py", "tests/unit/test_scan_remat.py",
+LONG_FIRST = ("tests/multiprocess/test_main_job.py", "tests/unit/models/test_scan_remat.py",
               "tests/multiprocess/test_examples.py", "tests/slurm/", "tests/openmpi/",
               "tests/multinode/",
-              "tests/multiprocess/test_fno_train.py", "tests/unit/test_benchmarks.py",
+              "tests/multiprocess/test_fno_train.py", "tests/unit/benchmarks/test_benchmarks.py",
               "tests/multiprocess/test_optimizer_names.py",
               "tests/multiprocess/test_pipeline_checkpoint.py")
 

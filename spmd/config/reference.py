@@ -8,7 +8,7 @@ changing a key:
     python -m spmd.config.reference            # writes docs/config.md
     python -m spmd.config.reference --check    # exit 1 if docs/config.md is stale
 
-(tests/unit/test_config_reference.py fails on a stale docs/config.md.)
+(tests/unit/config/test_config_reference.py fails on a stale docs/config.md.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ bits, 4 rounds, round keys from C++'s `std::seed_seq{(seed + e) mod 2**32}`, cyc
 until the result is below `count`). This module computes the same numbers with NumPy, for
 a whole block of positions in a few array operations (0.5 µs per position where grain
 costs 5-9 µs from Python; the rare long cycle-walks of a split much smaller than 2**16
-records go to grain's compiled function). tests/unit/test_order.py checks the equality
+records go to grain's compiled function). tests/unit/data/test_order.py checks the equality
 with grain over sizes, seeds and epochs.
 
 Invariants:

@@ -23,7 +23,7 @@ GiB = 1 << 30
 # XLA flags of the fastest JAX codes on NVIDIA/AMD GPUs (NVIDIA JAX-Toolbox guide, MaxText gpu
 # configs): overlap collectives with compute, combine collectives into few large ones (>= one
 # layer's weights), double-buffer the layer scan. Every flag must parse in the installed jaxlib
-# (XLA aborts on an unknown flag): tests/unit/test_jobscript.py checks them.
+# (XLA aborts on an unknown flag): tests/unit/hpc/test_jobscript.py checks them.
 GPU_XLA_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_enable_while_loop_double_buffering=true",

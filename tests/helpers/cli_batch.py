@@ -3,8 +3,8 @@
 A process start imports spmd's config (and so jax): about 3 s of CPU on the loaded CI
 machine, more than a failing command or a multi-rank `spmd doctor` (which resolves the launch
 from os.environ alone) takes to run. Tests that check many such commands run them through
-this helper in one child process (tests/unit/test_launch_resolve.py,
-tests/unit/test_cli_errors.py).
+this helper in one child process (tests/unit/launch/test_launch_resolve.py,
+tests/unit/cli/test_cli_errors.py).
 
     python -m tests.helpers.cli_batch < cases.json   # [{"env": {...}, "args": [...]}, ...]
 

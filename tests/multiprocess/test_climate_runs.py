@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.env import REPO, clean_env, run_spmd, side_by_side
-from tests.unit.test_calendars import cmip_monthly, dates, write
+from tests.unit.data.cf.test_calendars import cmip_monthly, dates, write
 
 xr = pytest.importorskip("xarray")
 

@@ -21,7 +21,7 @@ from tests.helpers.checkpoint_worker import _env, events, kill_tagged, train_cmd
 from tests.helpers.env import REPO, mpiexec_path, run_spmd
 from tests.helpers.fault_injection import fault_env
 from tests.helpers.records import read_jsonl
-from tests.unit.test_trackers import tensorboard_hparams
+from tests.unit.rundir.test_trackers import tensorboard_hparams
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from spmd.errors import ExitCode
 from spmd.hpc.batch_scripts import make_request, write_script
 from spmd.hpc.job_submit import submit
 from tests.helpers.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
-from tests.unit.test_jobscript import FAKE_RANK
+from tests.unit.hpc.test_jobscript import FAKE_RANK
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -6,7 +6,7 @@
   never requeues the job, and `spmd report` shows the recovery with its seconds.
 - An exception in the task on every rank (tests/helpers/failing_task.py): an error in the
   code, not a lost node. With launch.max_restarts=2 it is not tried again (launch.retry_errors
-  is off; with it on, the same error twice ends the job: tests/unit/test_recovery.py), and the
+  is off; with it on, the same error twice ends the job: tests/unit/hpc/test_recovery.py), and the
   job ends FAILED with that error in its output.
 
 Node loss with spares (srun --exclude) needs several nodes: tests/multinode.

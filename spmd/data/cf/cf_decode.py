@@ -16,8 +16,8 @@ xarray's `CFMaskCoder` and `CFScaleOffsetCoder`:
    types xarray holds (so float32 stays float32 with the same rounding).
 
 The result equals `xarray.open_dataset(...)[name].values` element for element (tested in
-tests/unit/test_weather_data.py). `_Unsigned` (netCDF's unsigned-as-signed hack) is refused
-with the variable named.
+tests/unit/data/sources/test_weather_data.py). `_Unsigned` (netCDF's unsigned-as-signed hack)
+is refused with the variable named.
 
 `stored_coding` gives the Coding of a stored array that the readers of plain arrays
 (spmd.data.sources.arrays.ArraySource, spmd.data.sources.windows.WindowSource, the statistics of

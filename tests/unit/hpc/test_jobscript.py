@@ -36,7 +36,7 @@ from spmd.hpc.job_submit import parse_job_id, submit_argv
 from spmd.hpc.systems import GPU_XLA_FLAGS, SYSTEMS, system_profile
 from tests.helpers.env import run_spmd
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]   # tests/unit/<package>/<this file>
 CONFIG = REPO / "configs" / "mlp_tiny.yaml"
 
 

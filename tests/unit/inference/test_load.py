@@ -25,7 +25,7 @@ from tests.helpers.env import REPO
 from tests.helpers.records import read_jsonl
 from tests.helpers.training import mlp_config
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_5924438"
+FIXTURE = REPO / "tests" / "fixtures" / "checkpoint_5924438"
 
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")

@@ -17,7 +17,7 @@ from spmd.loop.stragglers import StragglerMonitor
 from spmd.rundir.stragglers_report import format_stragglers, stragglers
 from tests.helpers.env import REPO, clean_env
 from tests.helpers.fault_injection import SLOW_RANK, fault_env
-from tests.unit.test_comm import FakeStore, envs, on_ranks, store  # noqa: F401 - a fixture
+from tests.unit.comm.test_comm import FakeStore, envs, on_ranks, store  # noqa: F401 - a fixture
 
 
 class Clock:

@@ -18,7 +18,7 @@ Independent checks:
 - the anomaly correlation against the train split's climatology (acc_<channel>_<lead>, and
   persistence's) is reported, finite and in [-1, 1], land left out; the climatology's
   lat-weighted RMSE equals one computed with xarray from the train year's mean
-  (tests/unit/test_weather_climatology.py checks the climatology against xarray).
+  (tests/unit/tasks/test_weather_climatology.py checks the climatology against xarray).
 """
 
 from __future__ import annotations

@@ -577,12 +577,13 @@ checkpoint: {{every: 3, persistent_every: 3}}
 
 
 # The 2-rank data.nan: mask run (`spmd data info`, `data stats`, `run -n 2`) is part of the
-# weather flagship's one end-to-end run: tests/unit/test_weather_eval.py.
+# weather flagship's one end-to-end run: tests/unit/tasks/test_weather_eval.py.
 
 
 def test_stored_array_windows_refuse_level_as_time(files):
     """WindowSource (windows of stored arrays, positional axes) refuses a WB2 variable whose
-    level would be read as time (a CF-packed one is decoded: tests/unit/test_arrays_cf.py)."""
+    level would be read as time (a CF-packed one is decoded:
+    tests/unit/data/cf/test_arrays_cf.py)."""
     from spmd.data.sources.windows import WindowSource
 
     def windows(path, dataset, frame):

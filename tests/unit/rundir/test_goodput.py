@@ -1,7 +1,7 @@
 """The goodput ledger over hand-made records: three jobs (preempted, killed, finished), the
 parts of each, lost work after the last kept step, the gaps between jobs (queue for a requeue,
 between runs for a rerun by hand), and an older run directory whose records carry less.
-Failed jobs, chains and the timeline's order: tests/unit/test_report_ledger.py."""
+Failed jobs, chains and the timeline's order: tests/unit/rundir/test_report_ledger.py."""
 
 from __future__ import annotations
 

@@ -469,7 +469,7 @@ def test_a_signal_is_passed_on_and_nothing_restarts(bindir, tmp_path):
 
 # ---------------------------------------------------------------- the rendered job scripts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]   # tests/unit/<package>/<this file>
 CONFIG = REPO / "configs" / "mlp_tiny.yaml"
 
 

@@ -134,7 +134,7 @@ def test_a_gap_is_queue_only_when_the_job_ids_relate_the_jobs(before, after, kin
 
 
 def test_the_segments_are_in_time_order_and_cover_each_job():
-    from tests.unit.test_goodput import three_jobs
+    from tests.unit.rundir.test_goodput import three_jobs
 
     ledger = build_ledger(*three_jobs())
     for job in ledger.jobs:

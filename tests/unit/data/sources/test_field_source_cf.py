@@ -1,7 +1,7 @@
 """The field-task source (spmd.data.sources.arrays.ArraySource) on files written by xarray (issue
 35):
 a plain variable reads as xarray reads it (CF-packed ones and fill values are decoded:
-tests/unit/test_arrays_cf.py), and a dataset path without {split} never makes the test
+tests/unit/data/cf/test_arrays_cf.py), and a dataset path without {split} never makes the test
 split the train split."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ LR = {"adamw": 3e-3, "adam": 3e-3, "sgd": 0.02, "lion": 1e-3, "adafactor": 1e-2,
 
 
 def my_sgd(learning_rate, momentum=0.0):
-    """A `module:function` optimizer (tests.unit.test_optimizers:my_sgd)."""
+    """A `module:function` optimizer (tests.unit.optim.test_optimizers:my_sgd)."""
     return optax.sgd(learning_rate, momentum=momentum)
 
 
@@ -115,18 +115,18 @@ def test_optimizer_parameters_reach_optax():
 
 def test_module_function_optimizer_and_its_kwargs():
     cfg = Config.model_validate({"optimizer": {
-        "name": "tests.unit.test_optimizers:my_sgd", "lr": 0.5, "grad_clip": None,
+        "name": "tests.unit.optim.test_optimizers:my_sgd", "lr": 0.5, "grad_clip": None,
         "kwargs": {"momentum": 0.9}}})
     tx = make_optimizer(cfg)
     state = tx.init({"w": jnp.zeros(1)})
     updates, state = tx.update({"w": jnp.ones(1)}, state)
     updates, _ = tx.update({"w": jnp.ones(1)}, state)
     assert float(-updates["w"][0]) == pytest.approx(0.5 * 1.9)
-    bad = Config.model_validate({"optimizer": {"name": "tests.unit.test_optimizers:nothing"}})
+    bad = Config.model_validate({"optimizer": {"name": "tests.unit.optim.test_optimizers:nothing"}})
     with pytest.raises(ConfigError, match="cannot import"):
         make_optimizer(bad)
     with pytest.raises(ConfigError, match="optimizer.b1 is a parameter of the built-in"):
-        load_config(MLP, ["optimizer.name=tests.unit.test_optimizers:my_sgd",
+        load_config(MLP, ["optimizer.name=tests.unit.optim.test_optimizers:my_sgd",
                           "optimizer.b1=0.9"])
 
 

@@ -61,7 +61,7 @@ class BadStreakTask(RegressionTask):
 
 
 def config(run_dir, **train) -> dict:
-    return {"task": "tests.unit.test_nonfinite:BadBatchTask",
+    return {"task": "tests.unit.loop.test_nonfinite:BadBatchTask",
             **mlp_config(run_dir, train=train,
                          checkpoint={"every": 1, "persistent_every": 1, "keep": 10})}
 
@@ -131,7 +131,7 @@ def test_skip_stops_at_the_next_check_after_a_streak_that_ended_between_checks(r
     before step 8, where the current streak is 0; the longest since step 0 stops the run."""
     cfg = with_overrides(
         {**config(run_dir, nonfinite="skip", max_skips=2),
-         "task": "tests.unit.test_nonfinite:BadStreakTask"},
+         "task": "tests.unit.loop.test_nonfinite:BadStreakTask"},
         ["train.steps=10", "run.log_every=8", "checkpoint.every=0",
          "checkpoint.persistent_every=0"])
     assert spmd.train(cfg, task=BadStreakTask) == ExitCode.NONFINITE

@@ -15,7 +15,7 @@ import spmd
 from spmd.config.load import with_overrides
 from spmd.errors import ExitCode
 from tests.helpers.records import read_jsonl
-from tests.unit.test_nonfinite import BAD_STEP, BadBatchTask, config
+from tests.unit.loop.test_nonfinite import BAD_STEP, BadBatchTask, config
 
 pytestmark = [pytest.mark.usefixtures("keep_signal_handlers"), pytest.mark.slow]
 

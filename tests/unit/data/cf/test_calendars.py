@@ -20,7 +20,7 @@ import pytest
 from spmd.data.cf.calendars import Calendar, axis_times
 from spmd.data.formats.stores import ArrayDataError
 from tests.helpers.era5_files import grid, land
-from tests.unit.test_weather_data import source
+from tests.unit.data.sources.test_weather_data import source
 
 xr = pytest.importorskip("xarray")
 cftime = pytest.importorskip("cftime")
