@@ -47,8 +47,9 @@ Invariants
   Slow at `in_a_row` (3) checks in a row, it is named once per such streak: a WARNING on
   rank 0 (`is_main`) and on the rank itself, and, from rank 0 only, an event `straggler` in
   events.jsonl with step, rank, host, host_step_s, median_s and factor (its time over the
-  median); `threshold` is the configured factor (launch.straggler_factor). Named for its
-  stalls, the event also has cause "stalled", stalled_share and median_stalled_share.
+  median); `threshold` is the configured factor (launch.straggler_factor). Named while it
+  stalls, the event also has cause "stalled", stalled_share and median_stalled_share, even
+  when its host time is long too: a rank that did not run is slow for that reason.
 - The stall meter runs only while a monitor that reads the real clock has started training
   (its first `depart`), and stops when no such monitor is left. A monitor given another
   `clock` reads no stalls unless it is given `stalled` (seconds stalled so far).
@@ -241,7 +242,7 @@ class StragglerMonitor:
             self._streak[rank] = self._streak.get(rank, 0) + 1 if slow or stalls else 0
             if self._streak[rank] == self.in_a_row:
                 self._name(step, rank, hosts[rank], seconds, median,
-                           (shares[rank], median_share) if stalls and not slow else None)
+                           (shares[rank], median_share) if stalls else None)
 
     def _name(self, step: int, rank: int, host: str, seconds: float, median: float,
               stalled: tuple[float, float] | None) -> None:

@@ -104,6 +104,19 @@ def test_a_slow_rank_is_named_once_after_three_checks_in_a_row(caplog):
     assert [e["step"] for e in events.emitted] == [8, 20]
 
 
+def test_a_rank_that_stalls_is_named_for_it_even_when_its_host_time_is_long_too():
+    """Its stalls are why it is slow: the event says so (cause "stalled"), as it does when
+    its host time is the others' (seen in CI: a frozen rank also over the factor)."""
+    clock, events = Clock(), Events()
+    group = Gathered(0, {1: "0.1 0.5"})      # rank 1: 5x the host time, and did not run half
+    monitor = StragglerMonitor(group, 0, "host0", 2, 1.3, events, True, clock=clock)
+    drive(monitor, clock, 1, 8, 0.02)
+    (event,) = events.emitted
+    assert (event["rank"], event["step"], event["cause"]) == (1, 8, "stalled"), event
+    assert event["stalled_share"] == 0.5 and event["median_stalled_share"] == 0.25
+    assert event["factor"] == pytest.approx(0.1 / 0.06, abs=1e-3)
+
+
 def test_even_ranks_and_sub_millisecond_jitter_name_no_one():
     clock, events = Clock(), Events()
     group = Gathered(1, {0: 0.0003, 2: 0.0004})    # 2x, but only 0.2 ms over the median
