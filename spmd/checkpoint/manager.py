@@ -105,12 +105,15 @@ class _Worker:
 
 @dataclass
 class _Tier:
-    """One tier as the manager drives it: its store (None: the tier is off), its worker
-    (one save in flight at a time), the last step handed to it, and how many saves it ran.
-    `name` is the `tier` of its events."""
+    """One tier as the manager drives it: its store (None: the tier is off), when a save is
+    due (`is_due(step, force, finished)`), the job that saves a snapshot (`job(step,
+    snapshot, timing, finite)`, run by its worker: one save in flight at a time), the last
+    step handed to it, and how many saves it ran. `name` is the `tier` of its events."""
 
     name: str
     store: LocalTier | PersistentTier | None
+    is_due: Callable[[int, bool, bool], bool]
+    job: Callable[[int, Snapshot, dict, bool | None], Callable[[], None]]
     worker: _Worker = field(init=False)
     last: int | None = None
     saves: int = 0
@@ -205,9 +208,13 @@ class HierarchicalCheckpointer:
                            if self.policy.uses_persistent else None)
         self._main = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "main")
         self._local_coord = CheckpointCoordinator(self.rank, self.size, ck.timeout_s, "local")
-        self._local_tier = _Tier("local", self.local)
-        self._persistent_tier = _Tier("persistent", self.persistent)
-        self._tiers = (self._local_tier, self._persistent_tier)
+        self._tiers = (
+            _Tier("local", self.local,
+                  lambda step, force, _finished: self.policy.local_due(step, force),
+                  self._local_job),
+            _Tier("persistent", self.persistent, self.policy.persistent_due,
+                  self._persistent_job))
+        self._local_tier, self._persistent_tier = self._tiers
         self._layout: SaveLayout | None = None
         self._closed = False
         self.snapshotter = Snapshotter(ck.snapshot, self.rank, ck.timeout_s)
@@ -336,8 +343,8 @@ class HierarchicalCheckpointer:
             self.local.root / str(step))   # type: ignore[union-attr]
         ckpt = ParamsCheckpoint(step, tier, root)
         params = jax.block_until_ready(read_params(ckpt, abstract_params))
-        (self._persistent_tier if tier == "persistent" else self._local_tier).last = step
         # that step is on disk already (with the older state)
+        next(t for t in self._tiers if t.name == tier).last = step
         seconds = time.perf_counter() - t_start
         return Restored(step=step, state=params, source=tier,
                         detail=f"parameters only (checkpoint.params_only) of {ckpt.describe()}",
@@ -348,9 +355,8 @@ class HierarchicalCheckpointer:
     def maybe_save(self, step: int, state: Any, *, force: bool = False,
                    finished: bool = False) -> None:
         self.check()
-        due = [t for t in self._tiers if t.store is not None and t.last != step and (
-            self.policy.local_due(step, force) if t is self._local_tier
-            else self.policy.persistent_due(step, force, finished))]
+        due = [t for t in self._tiers
+               if t.store is not None and t.last != step and t.is_due(step, force, finished)]
         if not due:
             return
         # The step that produced `state` may still be running (async dispatch): its compute
@@ -384,8 +390,7 @@ class HierarchicalCheckpointer:
                   "snapshot": snap.mode, "shared": len(due) == 2,
                   "params_finite": finite}
         for tier in due:
-            job = (self._local_job if tier is self._local_tier else self._persistent_job)(
-                step, snap, timing, finite)
+            job = tier.job(step, snap, timing, finite)
             tier.saves += 1
             tier.last = step
             tier.worker.submit(step, job)

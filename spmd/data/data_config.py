@@ -7,7 +7,6 @@ imports nothing of spmd (pydantic only); `spmd.config` assembles it into the run
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import re
 from dataclasses import dataclass
@@ -183,7 +182,3 @@ class SourceSections:
     seed: int = 0
     steps: int = 1
     task: str = "(unnamed)"
-
-    def replace(self, **changes: Any) -> SourceSections:
-        """A copy with `changes` (`spmd predict`: another path, another batch size)."""
-        return dataclasses.replace(self, **changes)

@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -151,7 +152,8 @@ class GriddedTrajectoryTask(TrajectoryTask[ModelCfg]):
         target step each, NaN filled as in training with the run's statistics."""
         d = self.cfg.data
         splits = {"all": {}} if split == "all" else d.splits
-        sections = self.cfg.source_sections().replace(
+        sections = dataclasses.replace(
+            self.cfg.source_sections(),
             data=d.model_copy(update={"path": str(path), "splits": splits}),
             batch_size=int(batch_size))
         fill = self.normalization()[0] if d.normalize and d.nan != "error" else None

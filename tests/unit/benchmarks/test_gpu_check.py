@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]   # tests/unit/<package>/<this file>
+from tests.helpers.env import REPO
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu_check  # noqa: E402

@@ -34,9 +34,8 @@ from spmd.hpc.batch_scripts import (
 )
 from spmd.hpc.job_submit import parse_job_id, submit_argv
 from spmd.hpc.systems import GPU_XLA_FLAGS, SYSTEMS, system_profile
-from tests.helpers.env import run_spmd
+from tests.helpers.env import REPO, run_spmd
 
-REPO = Path(__file__).resolve().parents[3]   # tests/unit/<package>/<this file>
 CONFIG = REPO / "configs" / "mlp_tiny.yaml"
 
 

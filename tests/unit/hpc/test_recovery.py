@@ -34,6 +34,7 @@ from spmd.launch.recovery import (
     killed_from_launcher,
     only_silent_hosts_left,
 )
+from tests.helpers.env import REPO
 
 HOSTS = ("n1", "n2", "n3", "n4", "n5")
 
@@ -469,7 +470,6 @@ def test_a_signal_is_passed_on_and_nothing_restarts(bindir, tmp_path):
 
 # ---------------------------------------------------------------- the rendered job scripts
 
-REPO = Path(__file__).resolve().parents[3]   # tests/unit/<package>/<this file>
 CONFIG = REPO / "configs" / "mlp_tiny.yaml"
 
 

@@ -9,6 +9,8 @@ file set is written once per module.
 
 from __future__ import annotations
 
+import dataclasses
+
 import netCDF4
 import numpy as np
 import pytest
@@ -524,7 +526,7 @@ def test_one_path_without_split_groups_is_not_test_equals_train(tmp_path):
     with pytest.raises(ArrayDataError) as e:
         WindowSource.from_sections(cfg, "test", fields, "{split}/w", **kw)
     assert "data.fields.u=w has no {split}" in one_line(e)
-    gridded = cfg.replace(data=cfg.data.model_copy(update={"variables": ["w"]}))
+    gridded = dataclasses.replace(cfg, data=cfg.data.model_copy(update={"variables": ["w"]}))
     with pytest.raises(ArrayDataError, match="data.variables is set, but the task"):
         WindowSource.from_sections(gridded, "train", fields, "{split}/w", **kw)
 
