@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.checkpoint.coordination import LocalVote
 from spmd.checkpoint.files import (
     ChecksumError,
     crc32,
@@ -187,12 +188,12 @@ class LocalTier:
 
     def write(self, step: int, layout: SaveLayout, pieces: Sequence[Piece],
               arrays: Sequence[np.ndarray], transport: Transport | None, tag: int, *,
-              failed: str | None = None) -> dict:
+              failed: str | None = None) -> LocalVote:
         """Write this rank's pieces (and receive partner copies) into place, not yet committed.
 
         Always takes part in the partner exchange, even when its own disk fails or (`failed`,
         the reason) it has no host copy of its pieces at all, so partners never wait in vain.
-        Returns a vote; raises nothing.
+        Returns its vote in the commit's agreement; raises nothing.
         """
         final, tmp = self.rank_dir(step), self.step_dir(step) / f"{rank_name(self.rank)}.tmp"
         t0 = time.perf_counter()
@@ -229,9 +230,9 @@ class LocalTier:
             except Exception as e:
                 error = f"rank {self.rank}: writing step {step} to {where} failed: {_err(e)}"
         if error is not None:
-            return {"ok": False, "error": error}
-        return {"ok": True, "bytes": nbytes, "files": files, "seconds": time.perf_counter() - t0,
-                "newest": self.newest_committed(below=step)}
+            return LocalVote(ok=False, error=error)
+        return LocalVote(bytes=nbytes, files=files, seconds=time.perf_counter() - t0,
+                         newest=self.newest_committed(below=step))
 
     def _write_own(self, step: int, layout: SaveLayout, pieces: Sequence[Piece],
                    arrays: Sequence[np.ndarray], tmp: Path, final: Path

@@ -13,7 +13,8 @@ Invariants
 - Every decision that makes a rank skip or fail a save is agreed (spmd.comm.agreement), so
   every rank takes the same path: the local tier's commit, the persistent tier's "can rank 0
   create the step's directory" (before Orbax's save, whose barrier would otherwise hold the
-  other ranks), and its commit.
+  other ranks), and its commit. Votes and decisions are typed (frozen dataclasses:
+  spmd.checkpoint.coordination's, restore_plan's, step_manifest's).
 - `checkpoint.local_failure: continue` (default): a local-tier save that every rank agreed
   failed (a full or broken node-local disk) is logged as a WARNING naming rank and path,
   recorded as `save_failed`, and training goes on (the persistent tier still saves); `stop`
@@ -35,7 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from spmd.checkpoint.coordination import CheckpointCoordinator, CheckpointTimeout
+from spmd.checkpoint.coordination import (
+    CheckpointCoordinator,
+    CheckpointTimeout,
+    LocalCommit,
+    NewerSteps,
+    NewestStep,
+    ParamsVote,
+    StepsVote,
+    decide_local,
+)
 from spmd.checkpoint.finite import params_finite
 from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import SaveLayout
@@ -46,9 +56,11 @@ from spmd.checkpoint.persistent import MANIFEST, PersistentTier, persistent_erro
 from spmd.checkpoint.policy import CheckpointConfig, SavePolicy, tier_dirs
 from spmd.checkpoint.restore import RestoreContext
 from spmd.checkpoint.restore import restore as plan_restore
+from spmd.checkpoint.restore_plan import Plan, RestorePlan
 from spmd.checkpoint.snapshot import Snapshot, Snapshotter
 from spmd.checkpoint.state_items import PARAMS, split_state, without_fields
 from spmd.checkpoint.transport import Transport
+from spmd.comm.agreement import Vote
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -152,22 +164,13 @@ def _field(state: Any, name: str) -> Any:
     return getattr(state, name, None)
 
 
-def _newer_persistent(persistent: PersistentTier, step: int) -> dict:
+def _newer_persistent(persistent: PersistentTier, step: int) -> NewerSteps:
     """Persistent steps newer than the restored `step`: those never committed (no manifest:
     an abandoned save) to discard, and those with a manifest (damaged) to keep and name."""
     newer = [s for s in persistent.orbax_steps() if s > step]
     committed = [s for s in newer if (persistent.step_dir(s) / MANIFEST).exists()]
-    return {"ok": True, "steps": [s for s in newer if s not in committed], "kept": committed}
-
-
-def _decide_local(votes: list[dict]) -> dict:
-    errors = [v.get("error", f"rank {r} failed") for r, v in enumerate(votes) if not v.get("ok")]
-    if errors:
-        return {"ok": False, "errors": errors}
-    newest = [v.get("newest") for v in votes]
-    return {"ok": True, "bytes": sum(v["bytes"] for v in votes),
-            "safe": None if any(n is None for n in newest) else min(newest),
-            "seconds": max(v["seconds"] for v in votes)}
+    return NewerSteps(steps=tuple(s for s in newer if s not in committed),
+                      kept=tuple(committed))
 
 
 class HierarchicalCheckpointer:
@@ -277,9 +280,9 @@ class HierarchicalCheckpointer:
             persistent = self.persistent
             if self.rank != 0:   # Orbax's delete checks its cache (rank 0 reloaded it to plan)
                 persistent.orbax_steps(reload=True)
-            newer = self._main.agree("agree on persistent steps to discard", {"ok": True},
-                                     lambda v: _newer_persistent(persistent, step))
-            for s in newer["kept"]:
+            newer = self._main.agree("agree on persistent steps to discard", Vote(),
+                                     lambda v: _newer_persistent(persistent, step), NewerSteps)
+            for s in newer.kept:
                 if self.rank == 0:
                     where = persistent.step_dir(s) / MANIFEST
                     log.warning("persistent step %d is newer than the restored step %d but was "
@@ -287,7 +290,7 @@ class HierarchicalCheckpointer:
                                 "for inspection: `spmd ckpt verify`", s, step, where)
                     self._emit("checkpoint_kept", step=s, tier="persistent", manifest=str(where),
                                reason=f"newer than the restored step {step} but not usable")
-            for s in newer["steps"]:
+            for s in newer.steps:
                 if self.rank == 0:
                     self._emit("checkpoint_discarded", step=s, tier="persistent",
                                reason=f"newer than the restored step {step}, never committed "
@@ -300,15 +303,16 @@ class HierarchicalCheckpointer:
     def newest_step(self) -> int | None:
         """Collective: the newest committed step of either tier that any rank sees (None:
         no checkpoint), as every rank's vote agreed by rank 0."""
-        vote: dict[str, Any] = {"steps": []}
+        steps: list[int] = []
         if self.local is not None:
-            vote["steps"] = [s.step for s in scan_local(self.local.root) if s.committed]
+            steps = [s.step for s in scan_local(self.local.root) if s.committed]
         if self.rank == 0 and self.persistent is not None:
-            vote["steps"] += self.persistent.committed_steps(reload=True)
+            steps += self.persistent.committed_steps(reload=True)
         decision = self._main.agree(
-            "list the committed checkpoints", vote,
-            lambda votes: {"newest": max((s for v in votes for s in v["steps"]), default=None)})
-        return decision["newest"]
+            "list the committed checkpoints", StepsVote(steps=tuple(steps)),
+            lambda votes: NewestStep(newest=max((s for v in votes for s in v.steps),
+                                                default=None)), NewestStep)
+        return decision.newest
 
     def restore_params(self, abstract_params: Any) -> Restored | None:
         """Collective: the parameters alone of the newest committed step, onto
@@ -319,26 +323,27 @@ class HierarchicalCheckpointer:
         tier has a newer step whose every rank copy each rank can read (node-local storage
         seen whole: one node, or a shared checkpoint.local_dir)."""
         t_start = time.perf_counter()
-        vote: dict[str, Any] = {"local": []}
-        if self.local is not None:
-            vote["local"] = [c.step for c in find_checkpoints(None, self.local.root)]
-        if self.rank == 0 and self.persistent is not None:
-            vote["persistent"] = self.persistent.committed_steps(reload=True)
+        vote = ParamsVote(
+            local=tuple(c.step for c in find_checkpoints(None, self.local.root))
+            if self.local is not None else (),
+            persistent=tuple(self.persistent.committed_steps(reload=True))
+            if self.rank == 0 and self.persistent is not None else ())
 
-        def decide(votes: list[dict]) -> dict:
-            local = set.intersection(*(set(v["local"]) for v in votes))
-            persistent = votes[0].get("persistent", [])
+        def decide(votes: list[ParamsVote]) -> RestorePlan:
+            local = set.intersection(*(set(v.local) for v in votes))
+            persistent = votes[0].persistent
             newest_local, newest_persistent = max(local, default=-1), max(persistent, default=-1)
             if max(newest_local, newest_persistent) < 0:
-                return {"tier": None}
+                return RestorePlan(plan=Plan())
             if newest_persistent >= newest_local:
-                return {"tier": "persistent", "step": newest_persistent}
-            return {"tier": "local", "step": newest_local}
+                return RestorePlan(plan=Plan("persistent", newest_persistent))
+            return RestorePlan(plan=Plan("local", newest_local))
 
-        plan = self._main.agree("choose the checkpoint to read parameters from", vote, decide)
-        if plan["tier"] is None:
+        plan = self._main.agree("choose the checkpoint to read parameters from", vote, decide,
+                                RestorePlan).plan
+        if plan.tier is None:
             return None
-        step, tier = int(plan["step"]), plan["tier"]
+        step, tier = plan.step, plan.tier
         root = self.persistent.step_dir(step) if tier == "persistent" else (
             self.local.root / str(step))   # type: ignore[union-attr]
         ckpt = ParamsCheckpoint(step, tier, root)
@@ -429,20 +434,20 @@ class HierarchicalCheckpointer:
             finally:
                 snap.release()
             decision = self._local_coord.agree(f"commit step {step} to the local tier", vote,
-                                               _decide_local)
-            if not decision["ok"]:
+                                               decide_local, LocalCommit)
+            if not decision.ok:
                 local.discard(step)
                 if self.rank == 0:
-                    self._emit("save_failed", tier="local", step=step, errors=decision["errors"],
-                               local_failure=self.local_failure)
+                    self._emit("save_failed", tier="local", step=step,
+                               errors=list(decision.errors), local_failure=self.local_failure)
                 message = (f"step {step} was not committed to the local tier ({local.root}): "
-                           + "; ".join(decision["errors"]))
-                if decision.get("timeout") or self.local_failure == "stop":
+                           + "; ".join(decision.errors))
+                if decision.timeout or self.local_failure == "stop":
                     raise CheckpointError(message)
-                self._local_failed(message, own=vote.get("error"))
+                self._local_failed(message, own=vote.error)
                 return
             try:
-                local.commit(step, layout, vote["files"], params_finite=finite)
+                local.commit(step, layout, vote.files, params_finite=finite)
             except Exception as e:
                 message = (f"rank {self.rank}: writing the COMMITTED marker of step {step} in "
                            f"{local.rank_dir(step)} failed: {e}")
@@ -451,10 +456,10 @@ class HierarchicalCheckpointer:
                 self._emit_own_failure(step, message)
                 self._local_failed(message, own=message)
                 return
-            dropped = local.prune(self.keep, step, decision["safe"])
+            dropped = local.prune(self.keep, step, decision.safe)
             if self.rank == 0:
-                self._emit("saved", tier="local", step=step, mode=mode, bytes=decision["bytes"],
-                           seconds=round(decision["seconds"], 4), **timing,
+                self._emit("saved", tier="local", step=step, mode=mode, bytes=decision.bytes,
+                           seconds=round(decision.seconds, 4), **timing,
                            partner=self.partner, dropped=dropped)
 
         return job
@@ -488,11 +493,11 @@ class HierarchicalCheckpointer:
             except BaseException:
                 snap.release()
                 raise
-            if not writable["ok"]:      # no rank calls Orbax's save: nobody waits in it
+            if not writable.ok:      # no rank calls Orbax's save: nobody waits in it
                 snap.release()
                 if self.rank == 0:
                     self._emit("save_failed", tier="persistent", step=step,
-                               errors=writable.get("errors"))
+                               errors=list(writable.errors))
                 raise persistent_error(writable, step)
             try:
                 arrays = snap.arrays()
@@ -506,19 +511,18 @@ class HierarchicalCheckpointer:
                 snap.release()
             started = time.perf_counter() - t0
             decision = persistent.finish_save(step, error, finite)
-            if not decision["ok"]:
+            if not decision.ok:
                 if self.rank == 0:
                     self._emit("save_failed", tier="persistent", step=step,
-                               errors=decision.get("errors"))
+                               errors=list(decision.errors))
                 raise persistent_error(decision, step)
             if self.rank == 0:
                 self._emit("saved", tier="persistent", step=step, mode=mode,
-                           bytes=decision["bytes"],
-                           files=decision["files"], seconds=round(decision["seconds"], 4),
+                           bytes=decision.bytes,
+                           files=decision.files, seconds=round(decision.seconds, 4),
                            orbax_start_s=round(started, 4),
-                           orbax_wait_s=round(decision["orbax_s"], 4),
-                           **decision.get("phases", {}),
-                           dropped=decision["dropped"], **timing)
+                           orbax_wait_s=round(decision.orbax_s, 4),
+                           **decision.phases, dropped=list(decision.drop), **timing)
 
         return job
 

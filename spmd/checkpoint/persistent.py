@@ -30,7 +30,8 @@ Invariants
   that creates Orbax's directories, can create one in the root: when it cannot, no rank calls
   Orbax's save (whose barrier would otherwise hold the other ranks for `checkpoint.timeout_s`)
   and every rank raises the same one-line error naming the root and
-  `checkpoint.persistent_dir`.
+  `checkpoint.persistent_dir`. Votes and decisions are typed (spmd.comm.agreement's `Vote`
+  and `Decision`; the commit's `PersistentVote` and `PersistentCommit`).
 - The manifest records `params_finite` (spmd.checkpoint.finite); retention never deletes the
   newest committed step whose parameters are finite (absent: finite), besides the newest
   `keep`. Which steps go is decided once, by rank 0 inside the commit agreement.
@@ -69,6 +70,8 @@ from spmd.checkpoint.step_manifest import (  # noqa: F401  (re-exported: the tie
     FORMATS,
     MANIFEST,
     SMALL_FILE,
+    PersistentCommit,
+    PersistentVote,
     checksum_files,
     file_owner,
     prefetch,
@@ -76,7 +79,7 @@ from spmd.checkpoint.step_manifest import (  # noqa: F401  (re-exported: the tie
     verify_files,
     write_manifest,
 )
-from spmd.comm.agreement import Coordinator
+from spmd.comm.agreement import Coordinator, Decision, Vote
 
 log = logging.getLogger("spmd.checkpoint")
 
@@ -231,21 +234,21 @@ class PersistentTier:
     def due(self, step: int) -> bool:
         return bool(self.manager.should_save(step))
 
-    def agree_writable(self, step: int) -> dict:
+    def agree_writable(self, step: int) -> Decision:
         """Collective, before `start_save`: can rank 0 create step `step`'s directory?
 
         Rank 0 creates Orbax's directories and the others wait for it in Orbax's barrier,
         so a rank 0 that cannot would hold them there for `checkpoint.timeout_s`. Decided
-        first, every rank learns it at once: {"ok": False, "errors": [...]} means no rank
+        first, every rank learns it at once: `ok` False (and its `errors`) means no rank
         may call Orbax's save.
         """
-        vote: dict = {"ok": True}
+        vote = Vote()
         if self.rank == 0:
             why = probe_writable(self.root)
             if why is not None:
-                vote = {"ok": False, "error": (
+                vote = Vote(ok=False, error=(
                     f"rank 0: cannot create step {step}'s directory in {self.root} "
-                    f"(checkpoint.persistent_dir): {why}")}
+                    f"(checkpoint.persistent_dir): {why}"))
         return self.coord.agree(f"check that persistent step {step} can be written", vote)
 
     def start_save(self, step: int, state: Any) -> None:
@@ -281,7 +284,7 @@ class PersistentTier:
             sums.wait_pass()
 
     def finish_save(self, step: int, error: str | None = None,
-                    params_finite: bool | None = None) -> dict:
+                    params_finite: bool | None = None) -> PersistentCommit:
         """Wait for Orbax, checksum this rank's files, agree, and write the manifest (rank 0).
 
         `error`: this rank's save failed to start; it still votes, so no rank waits in vain.
@@ -302,45 +305,45 @@ class PersistentTier:
             files = checksum_files(where, self.rank, self.size, chunk_crc=self.chunk_crc)
             chunks = {} if sums is None else sums.result(where, self.rank)
             checksum_s = time.perf_counter() - t0 - orbax_s
-            vote = {"ok": True, "files": files, "chunks": chunks}
+            vote = PersistentVote(files=files, chunks=chunks)
         except _StartFailed as e:
-            vote = {"ok": False, "error": str(e)}
+            vote = PersistentVote(ok=False, error=str(e))
         except Exception as e:
-            vote = {"ok": False, "error": f"rank {self.rank}: persistent save of step {step} to "
-                                          f"{where} failed: {type(e).__name__}: {e}"}
+            vote = PersistentVote(ok=False, error=f"rank {self.rank}: persistent save of step "
+                                  f"{step} to {where} failed: {type(e).__name__}: {e}")
         t1 = time.perf_counter()
-        decision = self.coord.agree(f"finish the persistent save of step {step}", vote,
-                                    lambda votes: self._commit(where, step, votes,
-                                                               params_finite))
+        decision = self.coord.agree(
+            f"finish the persistent save of step {step}", vote,
+            lambda votes: self._commit(where, step, votes, params_finite), PersistentCommit)
         t2 = time.perf_counter()
-        if decision["ok"]:
-            self.drop(decision["drop"])
-            decision["dropped"] = decision.pop("drop")
-            decision["seconds"] = time.perf_counter() - t0
-            decision["orbax_s"] = orbax_s  # this rank's wait for Orbax; the rest: our manifest
-            # where the rest went: fsync + checksums of this rank's files, the agreement
-            # (rank 0: manifest write + retention decision inside it), forgetting dropped steps
-            decision["phases"] = {"checksum_fsync_s": round(checksum_s, 4),
-                                  # the chunks' crc32c (this rank), overlapping Orbax's write
-                                  "chunk_crc_s": round(sums.seconds if sums else 0.0, 4),
-                                  "commit_s": round(t2 - t1, 4),
-                                  "drop_s": round(time.perf_counter() - t2, 4)}
+        if decision.ok:
+            self.drop(list(decision.drop))
+            # orbax_s: this rank's wait for Orbax; the rest: our manifest. Where the rest went:
+            # fsync + checksums of this rank's files, the agreement (rank 0: manifest write +
+            # retention decision inside it), forgetting dropped steps
+            decision = dataclasses.replace(
+                decision, seconds=time.perf_counter() - t0, orbax_s=orbax_s,
+                phases={"checksum_fsync_s": round(checksum_s, 4),
+                        # the chunks' crc32c (this rank), overlapping Orbax's write
+                        "chunk_crc_s": round(sums.seconds if sums else 0.0, 4),
+                        "commit_s": round(t2 - t1, 4),
+                        "drop_s": round(time.perf_counter() - t2, 4)})
         return decision
 
-    def _commit(self, where: Path, step: int, votes: list[dict],
-                params_finite: bool | None = None) -> dict:
+    def _commit(self, where: Path, step: int, votes: list[PersistentVote],
+                params_finite: bool | None = None) -> PersistentCommit:
         """Rank 0, inside the agreement: the manifest, then which committed steps retention
         drops (beyond the newest `keep`, never the newest with finite parameters), renamed
         away here. Decided once and broadcast: ranks that listed the directory themselves,
         while rank 0 was already deleting, disagreed on the list (and, with Orbax's collective
         delete, waited in different barriers for ever)."""
         decision = write_manifest(where, step, votes, self.size, params_finite)
-        if decision["ok"]:
+        if decision.ok:
             manifests = {s: read_manifest(self.step_dir(s))
                          for s in self.orbax_steps(reload=True)}
             kept = retained(manifests, self.keep)
-            decision["drop"] = self._rename_away([s for s, m in sorted(manifests.items())
-                                                  if m is not None and s not in kept])
+            decision = dataclasses.replace(decision, drop=tuple(self._rename_away(
+                [s for s, m in sorted(manifests.items()) if m is not None and s not in kept])))
         return decision
 
     def _rename_away(self, steps: list[int]) -> list[int]:
@@ -519,9 +522,9 @@ class _StartFailed(Exception):
     """This rank's Orbax save raised before it got going (message names rank and path)."""
 
 
-def persistent_error(decision: dict, step: int) -> CheckpointError:
+def persistent_error(decision: Decision, step: int) -> CheckpointError:
     return CheckpointError(f"step {step} was not committed to the persistent tier: "
-                           + "; ".join(decision.get("errors") or [decision.get("error", "?")]))
+                           + "; ".join(decision.errors or [decision.error or "?"]))
 
 
 def nonfinite_persistent(step_dir: Path) -> dict[str, tuple[int, int]]:

@@ -5,7 +5,8 @@ ranks) whose layout matches this run; rank 0 adds the persistent steps and picks
 step for which every rank has a source: own copy, else the partner's copy, else (for the
 whole job) the persistent tier. Every chosen source is checksum-verified before use; a bad
 one is reported (naming the file), struck off, and rank 0 plans again. All ranks act on rank
-0's plan, so they always agree on the step and the sources.
+0's plan, so they always agree on the step and the sources. The plan, and the typed votes
+and decisions of these agreements, are spmd.checkpoint.restore_plan's.
 
 A state may name `optional` fields: ones a checkpoint may have been written without (spmd's
 `rng`, added to the state later; its `ema`, present only with train.ema_decay). A local copy
@@ -21,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -31,73 +32,22 @@ from spmd.checkpoint.interface import CheckpointError, Restored
 from spmd.checkpoint.layout import PieceId, SaveLayout, assemble
 from spmd.checkpoint.local import LocalCopy, LocalTier
 from spmd.checkpoint.persistent import PersistentTier
+from spmd.checkpoint.restore_plan import (
+    BadSource,
+    CopiesVote,
+    Plan,
+    Planner,
+    RestorePlan,
+    SourcesChecked,
+    SourcesVote,
+)
 from spmd.checkpoint.state_items import without_fields
 from spmd.checkpoint.transport import CollectSink, Incoming, Outgoing, Transport
-from spmd.comm.agreement import Coordinator
+from spmd.comm.agreement import Coordinator, Vote
 
 log = logging.getLogger("spmd.checkpoint")
 
 RESTORE_TAG = (1 << 22) - 8
-
-
-@dataclass
-class Planner:
-    """Rank 0's bookkeeping across planning rounds."""
-
-    size: int
-    votes: list[dict] = field(default_factory=list)
-    bad: set = field(default_factory=set)
-    problems: list[str] = field(default_factory=list)
-
-    def plan(self) -> dict:
-        persistent = set(self.votes[0].get("persistent", []))
-        steps = sorted({s for v in self.votes for s in v.get("own", [])}
-                       | {e[0] for v in self.votes for key in ("held", "own_older", "held_older")
-                          for e in v.get(key, [])} | persistent, reverse=True)
-        variants = max((e[-1] for v in self.votes for key in ("own_older", "held_older")
-                        for e in v.get(key, [])), default=0)
-        for s in steps:
-            for older in range(variants + 1):   # the current layout first, then the variants
-                servers = self._servers(s, older)
-                if servers is not None:
-                    return {"tier": "local", "step": s, "servers": servers,
-                            **({"older": older} if older else {})}
-            if s in persistent and ("persistent", s, -1) not in self.bad:
-                return {"tier": "persistent", "step": s}
-        return {"tier": None}
-
-    def _servers(self, step: int, older: int) -> dict[int, int] | None:
-        """Who serves each rank's copy of `step` (all in the current layout, older=0, or all
-        in variant `older`), or None when some rank's copy is missing."""
-        own_key, held_key = ("own_older", "held_older") if older else ("own", "held")
-        held: dict[tuple[int, int], int] = {}
-        for h, v in enumerate(self.votes):
-            for entry in v.get(held_key, []):
-                if not older or entry[2] == older:
-                    held.setdefault((entry[0], entry[1]), h)
-        if older:
-            own_key, held_key = f"own_older{older}", f"held_older{older}"
-        servers = {}
-        for q in range(self.size):
-            mine = ([e[0] for e in self.votes[q].get("own_older", []) if e[1] == older]
-                    if older else self.votes[q].get("own", []))
-            if step in mine and (own_key, step, q) not in self.bad:
-                servers[q] = q
-            elif (step, q) in held and (held_key, step, q) not in self.bad:
-                servers[q] = held[(step, q)]
-            else:
-                return None
-        return servers
-
-    def decide_round(self, votes: list[dict]) -> dict:
-        """After a round of checks: ok, or strike off what failed and plan again."""
-        reports = [b for v in votes for b in v.get("bad", [])]
-        if not reports:
-            return {"ok": True}
-        for kind, step, owner, message in reports:
-            self.bad.add((kind, step, owner))
-            self.problems.append(message)
-        return {"ok": False, "problems": [r[3] for r in reports], "plan": self.plan()}
 
 
 @dataclass
@@ -143,7 +93,7 @@ def restore(ctx: RestoreContext, abstract_state: Any,
     timings = {"plan_s": 0.0, "read_s": 0.0}
     own: dict[int, LocalCopy] = {}
     held: dict[tuple[int, int], LocalCopy] = {}
-    vote: dict[str, Any] = {"own": [], "held": []}
+    vote = CopiesVote()
     variants = _variants(ctx, optional)
     which = {lay.signature: i + 1 for i, (_, lay) in enumerate(variants)}
     if ctx.local is not None:
@@ -151,31 +101,27 @@ def restore(ctx: RestoreContext, abstract_state: Any,
         own, held, notes = ctx.local.copies(signatures)
         if ctx.transport is None and ctx.size > 1:
             held = {}  # a partner copy cannot be fetched without MPI
-        vote = {"own": sorted(s for s, c in own.items() if c.signature not in which),
-                "held": sorted(k for k, c in held.items() if c.signature not in which),
-                "own_older": sorted([s, which[c.signature]] for s, c in own.items()
-                                    if c.signature in which),
-                "held_older": sorted([*k, which[c.signature]] for k, c in held.items()
-                                     if c.signature in which),
-                "notes": notes}
+        vote = CopiesVote(
+            own=tuple(sorted(s for s, c in own.items() if c.signature not in which)),
+            held=tuple(sorted(k for k, c in held.items() if c.signature not in which)),
+            own_older=tuple(sorted((s, which[c.signature]) for s, c in own.items()
+                                   if c.signature in which)),
+            held_older=tuple(sorted((*k, which[c.signature]) for k, c in held.items()
+                                    if c.signature in which)),
+            notes=tuple(notes))
         for note in notes:
             log.info("local checkpoint skipped: %s", note)
     if ctx.rank == 0 and ctx.persistent is not None:
-        vote["persistent"] = ctx.persistent.committed_steps(reload=True)
+        vote = replace(vote, persistent=tuple(ctx.persistent.committed_steps(reload=True)))
     planner = Planner(ctx.size)
-
-    def first(votes: list[dict]) -> dict:
-        planner.votes = votes
-        return {"ok": True, "plan": planner.plan()}
-
-    decision = ctx.coord.agree("report the checkpoints they have", vote, first)
-    plan = decision["plan"]
+    plan = ctx.coord.agree("report the checkpoints they have", vote, planner.first,
+                           RestorePlan).plan
     problems: list[str] = []
     loaded: tuple[Any, tuple[str, ...]] | None = None   # a persistent step read in the loop
-    while plan["tier"] is not None:
-        step = plan["step"]
+    while plan.tier is not None:
+        step = plan.step
         t0 = time.perf_counter()
-        if plan["tier"] == "local":
+        if plan.tier == "local":
             bad, data = _load_local(ctx, plan, own, held)
         elif ctx.size == 1:   # one read, which checks every chunk's crc32c
             bad, loaded = _load_persistent(ctx, step, abstract_state, optional, timings)
@@ -184,35 +130,37 @@ def restore(ctx: RestoreContext, abstract_state: Any,
             bad, loaded = _load_persistent_ranks(ctx, step, abstract_state, optional, timings)
             data = None
         timings["read_s"] += time.perf_counter() - t0
-        decision = ctx.coord.agree(f"check their sources for step {step}", {"bad": bad},
-                                   planner.decide_round)
-        if decision["ok"]:
+        decision = ctx.coord.agree(f"check their sources for step {step}",
+                                   SourcesVote(bad=tuple(bad)), planner.decide_round,
+                                   SourcesChecked)
+        if decision.ok:
             break
+        assert decision.plan is not None
         loaded = None   # another rank's source failed: this round's read is not used
-        problems += decision["problems"]
-        for p in decision["problems"]:
+        problems += decision.problems
+        for p in decision.problems:
             mine = p.startswith(f"rank {ctx.rank}:")
             log.log(logging.WARNING if mine else logging.INFO, "restore: %s; falling back", p)
         if ctx.rank == 0:
-            ctx.emit("restore_fallback", step=step, tier=plan["tier"],
-                     problems=decision["problems"], next=decision["plan"])
-        plan = decision["plan"]
-    if plan["tier"] is None:
+            ctx.emit("restore_fallback", step=step, tier=plan.tier,
+                     problems=list(decision.problems), next=decision.plan.as_event())
+        plan = decision.plan
+    if plan.tier is None:
         if problems:
             raise CheckpointError("no intact checkpoint left to restore; problems found: "
                                   + "; ".join(problems))
         return None
-    step = plan["step"]
+    step = plan.step
     missing: tuple[str, ...] = ()
     timings["plan_s"] = time.perf_counter() - t_start - timings["read_s"]
-    if plan["tier"] == "local":
+    if plan.tier == "local":
         target = abstract_state
-        if plan.get("older"):
-            missing = variants[int(plan["older"]) - 1][0]
+        if plan.older:
+            missing = variants[plan.older - 1][0]
             target = without_fields(abstract_state, missing)
         leaves = _exchange_and_assemble(ctx, plan, data, jax.tree.leaves(target), timings)
         state = jax.tree.unflatten(jax.tree.structure(target), leaves)
-        servers = _servers(plan)
+        servers = plan.servers
         source = "local" if servers[ctx.rank] == ctx.rank else "partner"
         partners = {q: h for q, h in servers.items() if q != h}
         detail = f"step {step} from the local tier" + (
@@ -235,18 +183,15 @@ def restore(ctx: RestoreContext, abstract_state: Any,
                     missing=missing)
 
 
-def _servers(plan: dict) -> dict[int, int]:
-    return {int(q): int(h) for q, h in plan["servers"].items()}
-
-
-def _load_local(ctx: RestoreContext, plan: dict, own: dict[int, LocalCopy],
-                held: dict[tuple[int, int], LocalCopy]) -> tuple[list, dict]:
+def _load_local(ctx: RestoreContext, plan: Plan, own: dict[int, LocalCopy],
+                held: dict[tuple[int, int], LocalCopy]) -> tuple[list[BadSource], dict]:
     """Load and verify every copy this rank serves; report the bad ones."""
     assert ctx.local is not None
-    step, servers = plan["step"], _servers(plan)
+    step, servers = plan.step, plan.servers
     layout = _plan_layout(ctx, plan)
-    suffix = f"_older{plan['older']}" if plan.get("older") else ""
-    bad, data = [], {}
+    suffix = f"_older{plan.older}" if plan.older else ""
+    bad: list[BadSource] = []
+    data = {}
     for q, h in servers.items():
         if h != ctx.rank:
             continue
@@ -263,28 +208,28 @@ def _load_local(ctx: RestoreContext, plan: dict, own: dict[int, LocalCopy],
             data[q] = pieces
         except Exception as e:
             what = "own copy" if q == ctx.rank else f"partner copy of rank {q}"
-            bad.append([kind, step, q, f"rank {ctx.rank}: step {step} {what}: {e}"])
+            bad.append(BadSource(kind, step, q, f"rank {ctx.rank}: step {step} {what}: {e}"))
     return bad, data
 
 
-def _plan_layout(ctx: RestoreContext, plan: dict) -> SaveLayout:
+def _plan_layout(ctx: RestoreContext, plan: Plan) -> SaveLayout:
     """The layout the planned local step was saved in."""
-    if plan.get("older"):
+    if plan.older:
         if ctx.variants:
-            return ctx.variants[int(plan["older"]) - 1][1]
+            return ctx.variants[plan.older - 1][1]
         assert ctx.older is not None
         return ctx.older
     return ctx.layout
 
 
-def _check_persistent(ctx: RestoreContext, step: int, deep: bool = True) -> list:
+def _check_persistent(ctx: RestoreContext, step: int, deep: bool = True) -> list[BadSource]:
     """This rank's share of the manifest check of a persistent step, as "bad" reports."""
     assert ctx.persistent is not None
     try:
         problems = ctx.persistent.verify(step, deep)
     except Exception as e:
         problems = [f"{ctx.persistent.step_dir(step)}: {e}"]
-    return [["persistent", step, -1, f"rank {ctx.rank}: persistent step {step}: {p}"]
+    return [BadSource("persistent", step, -1, f"rank {ctx.rank}: persistent step {step}: {p}")
             for p in problems]
 
 
@@ -305,7 +250,7 @@ def _read_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
 
 def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
                      optional: Sequence[str], timings: dict | None = None
-                     ) -> tuple[list, tuple[Any, tuple[str, ...]] | None]:
+                     ) -> tuple[list[BadSource], tuple[Any, tuple[str, ...]] | None]:
     """One process: check the small files and the data files' sizes while the step is read
     (spmd's reader, each chunk's crc32c checked in hardware as it is read, for steps it
     understands; Orbax's, whose TensorStore checks them, otherwise): no separate pass over
@@ -327,7 +272,7 @@ def _load_persistent(ctx: RestoreContext, step: int, abstract_state: Any,
 
 
 def _checked_read(ctx: RestoreContext, step: int, read: Callable[[], Any],
-                  timings: dict | None) -> tuple[list, Any, Exception | None]:
+                  timings: dict | None) -> tuple[list[BadSource], Any, Exception | None]:
     """(problems the manifest's shallow check found, what `read` returned or None, the
     exception it raised or None): the check (small files' crc32c, data files' sizes, on
     another thread) runs while `read` reads, both cold, mostly waiting for the disk."""
@@ -336,7 +281,7 @@ def _checked_read(ctx: RestoreContext, step: int, read: Callable[[], Any],
     ctx.persistent.prefetch(step)   # the disk starts reading ahead of the read's requests
     took: list[float] = []
 
-    def check() -> list:
+    def check() -> list[BadSource]:
         t = time.perf_counter()
         try:
             return _check_persistent(ctx, step, deep=False)
@@ -362,7 +307,7 @@ def _checked_read(ctx: RestoreContext, step: int, read: Callable[[], Any],
 
 def _load_persistent_ranks(ctx: RestoreContext, step: int, abstract_state: Any,
                            optional: Sequence[str], timings: dict
-                           ) -> tuple[list, tuple[Any, tuple[str, ...]] | None]:
+                           ) -> tuple[list[BadSource], tuple[Any, tuple[str, ...]] | None]:
     """Several processes: when every rank's spmd reader understands the step (agreed first),
     each rank checks its share of the small files while it reads what its devices need,
     every chunk's crc32c checked as it is read: the data is read once, and a rank whose read
@@ -372,8 +317,8 @@ def _load_persistent_ranks(ctx: RestoreContext, step: int, abstract_state: Any,
     assert ctx.persistent is not None
     readable = ctx.persistent.readable(step, abstract_state, optional)
     agreed = ctx.coord.agree(f"tell whether spmd's reader reads persistent step {step}",
-                             {"ok": readable})
-    if not agreed["ok"]:
+                             Vote(ok=readable))
+    if not agreed.ok:
         log.info("persistent step %d: not every rank's spmd reader reads it (an older or "
                  "compressed step?): full check, then Orbax's read", step)
         return _check_persistent(ctx, step), None
@@ -390,13 +335,13 @@ def _load_persistent_ranks(ctx: RestoreContext, step: int, abstract_state: Any,
     bad, loaded, failed = _checked_read(ctx, step, read, timings)
     if bad or loaded is not None:
         return bad, None if bad else loaded
-    return [["persistent", step, -1, str(failed)]], None
+    return [BadSource("persistent", step, -1, str(failed))], None
 
 
-def _exchange_and_assemble(ctx: RestoreContext, plan: dict, data: dict[int, dict],
+def _exchange_and_assemble(ctx: RestoreContext, plan: Plan, data: dict[int, dict],
                            abstract_leaves: list, timings: dict) -> list[jax.Array]:
     """Send every rank the pieces it needs from the copies this rank serves; build arrays."""
-    layout, me, servers = _plan_layout(ctx, plan), ctx.rank, _servers(plan)
+    layout, me, servers = _plan_layout(ctx, plan), ctx.rank, plan.servers
     mine: dict[PieceId, np.ndarray] = {}
     wanted: dict[int, list[PieceId]] = {}  # server -> pieces I receive from it
     for pid in layout.needs(me):
@@ -424,10 +369,10 @@ def _exchange_and_assemble(ctx: RestoreContext, plan: dict, data: dict[int, dict
     t0 = time.perf_counter()
     if sends or recvs:
         if ctx.transport is None:
-            raise CheckpointError(f"rank {me}: restoring step {plan['step']} needs pieces from "
+            raise CheckpointError(f"rank {me}: restoring step {plan.step} needs pieces from "
                                   "other ranks but MPI is not available")
         ctx.transport.exchange(sends, recvs, RESTORE_TAG,
-                               f"moving restored pieces of step {plan['step']}")
+                               f"moving restored pieces of step {plan.step}")
     for pids, arrays in targets.values():
         mine.update(zip(pids, arrays))
     timings["exchange_s"] = time.perf_counter() - t0

@@ -15,6 +15,10 @@ b-tree nodes: kilobytes) with the crc32c of its bytes. Formats:
 
 Every format is still read and checked: a data file's chunks against the crc32c they carry,
 else against the manifest's (`verify_files`, `deep`).
+
+The persistent commit's agreement carries each rank's `PersistentVote` (its files and chunk
+sums) to rank 0, which writes the manifest from them and decides a `PersistentCommit`
+(frozen dataclasses: spmd.comm.agreement's `Vote` and `Decision`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import re
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ from spmd.checkpoint.files import (
     read_json,
     write_json_atomic,
 )
+from spmd.comm.agreement import Decision, Vote
 
 MANIFEST = "spmd_manifest.json"
 FORMAT = "spmd-persistent/3"
@@ -216,17 +222,42 @@ def read_manifest(step_dir: Path) -> dict | None:
     return m if isinstance(m, dict) and m.get("format") in FORMATS else None
 
 
-def write_manifest(step_dir: Path, step: int, votes: list[dict], size: int,
-                   params_finite: bool | None = None) -> dict:
-    """Rank 0: the manifest from every rank's vote ({"files", "chunks"}), atomically."""
-    errors = [v["error"] for v in votes if not v.get("ok")]
+@dataclass(frozen=True, kw_only=True)
+class PersistentVote(Vote):
+    """A rank's share of a persistent step: its files' manifest entries ({path: {"nbytes",
+    "crc32c" or "check"}}) and its chunks' crc32c ({item: {chunk key: crc32c}}), or `ok`
+    False and why."""
+
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    chunks: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistentCommit(Decision):
+    """Rank 0's commit of a persistent step: the manifest's bytes and file count, and the
+    committed steps retention dropped (renamed away by rank 0). `seconds`, `orbax_s` and
+    `phases` are this rank's own timings, filled in after the agreement (`finish_save`)."""
+
+    bytes: int = 0
+    files: int = 0
+    drop: tuple[int, ...] = ()
+    seconds: float = 0.0
+    orbax_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def write_manifest(step_dir: Path, step: int, votes: list[PersistentVote], size: int,
+                   params_finite: bool | None = None) -> PersistentCommit:
+    """Rank 0: the manifest from every rank's vote (its files and chunks), atomically."""
+    errors = tuple(v.error if v.error is not None else f"rank {r} failed"
+                   for r, v in enumerate(votes) if not v.ok)
     if errors:
-        return {"ok": False, "errors": errors}
+        return PersistentCommit(ok=False, errors=errors)
     files: dict[str, dict] = {}
     chunks: dict[str, dict[str, str]] = {}
     for v in votes:
-        files.update(v["files"])
-        for item, sums in (v.get("chunks") or {}).items():
+        files.update(v.files)
+        for item, sums in v.chunks.items():
             chunks.setdefault(item, {}).update(sums)
     nbytes = sum(f["nbytes"] for f in files.values())
     try:
@@ -235,7 +266,8 @@ def write_manifest(step_dir: Path, step: int, votes: list[dict], size: int,
             "chunks": chunks, "nbytes": nbytes, "time": time.time(),
             **({} if params_finite is None else {"params_finite": params_finite})})
     except OSError as e:
-        return {"ok": False, "errors": [f"rank 0: writing {step_dir / MANIFEST} failed: {e}"]}
-    return {"ok": True, "bytes": nbytes, "files": len(files)}
+        return PersistentCommit(ok=False,
+                                errors=(f"rank 0: writing {step_dir / MANIFEST} failed: {e}",))
+    return PersistentCommit(bytes=nbytes, files=len(files))
 
 

@@ -6,8 +6,9 @@ Owns every conversation among ranks above the bootstrap:
   over MPI when the job has an MPI world of its size, else over the key-value store;
 - `stop_vote`: `StopVote`, every rank stops at the same step for the same reason (the
   preemption agreement over each rank's `spmd.launch.PreemptionWatcher`);
-- `agreement`: `Coordinator`, gather-decide-broadcast of JSON votes over the key-value store,
-  callable from any thread (the checkpoint's decisions);
+- `agreement`: `Coordinator`, gather-decide-broadcast over the key-value store, callable
+  from any thread (the checkpoint's decisions), of typed votes and decisions (`Vote`,
+  `Decision`: frozen dataclasses, JSON only inside `Coordinator.agree`);
 - `prepare_wait`: `prepare_on_rank0`, rank 0's one-time data preparation before any
   collective, the other ranks waiting for it (launch.prepare_timeout_s) and saying so;
 - `host_gather`: `gather_to_host`, whole arrays on every rank's host as numpy, and
@@ -19,9 +20,10 @@ timeout. May import `spmd.launch` (MPI, the LaunchEnv, the preemption watcher) a
 `spmd.errors`; nothing above.
 """
 
-from spmd.comm.agreement import Coordinator
+from spmd.comm.agreement import Coordinator, Decision, Vote
 from spmd.comm.errors import AgreementError, AgreementTimeout
 from spmd.comm.rank_group import RankGroup
 from spmd.comm.stop_vote import StopVote
 
-__all__ = ["AgreementError", "AgreementTimeout", "Coordinator", "RankGroup", "StopVote"]
+__all__ = ["AgreementError", "AgreementTimeout", "Coordinator", "Decision", "RankGroup",
+           "StopVote", "Vote"]

@@ -21,7 +21,7 @@ from spmd.checkpoint.layout import SaveLayout
 from spmd.checkpoint.listing import scan_local, scan_persistent, verify_local
 from spmd.checkpoint.local import partner_map
 from spmd.checkpoint.persistent import VerifiedLatestN, file_owner
-from spmd.checkpoint.restore import Planner
+from spmd.checkpoint.restore_plan import BadSource, CopiesVote, Plan, Planner, SourcesVote
 from spmd.config.load import config_from_dict
 from spmd.config.schema import Config
 from tests.helpers.env import run_spmd
@@ -90,15 +90,21 @@ def test_atomic_json_and_checksum_mismatch(tmp_path):
 
 def test_planner_prefers_newest_then_own_then_partner_then_persistent():
     planner = Planner(2)
-    planner.votes = [{"own": [5, 10], "held": [[5, 1], [10, 1]], "persistent": [5, 10]},
-                     {"own": [5], "held": [[5, 0], [10, 0]]}]
-    assert planner.plan() == {"tier": "local", "step": 10, "servers": {0: 0, 1: 0}}
-    d = planner.decide_round([{"bad": [["held", 10, 1, "rank 0: bad partner copy"]]}, {}])
-    assert not d["ok"] and d["plan"] == {"tier": "persistent", "step": 10}
-    d = planner.decide_round([{"bad": [["persistent", 10, -1, "rank 0: bad file"]]}, {}])
-    assert d["plan"] == {"tier": "local", "step": 5, "servers": {0: 0, 1: 1}}
+    first = planner.first([CopiesVote(own=(5, 10), held=((5, 1), (10, 1)), persistent=(5, 10)),
+                           CopiesVote(own=(5,), held=((5, 0), (10, 0)))])
+    assert first.ok and first.plan == Plan("local", 10, {0: 0, 1: 0})
+    d = planner.decide_round([SourcesVote(bad=(BadSource("held", 10, 1, "rank 0: bad partner "
+                                                         "copy"),)), SourcesVote()])
+    assert not d.ok and d.plan == Plan("persistent", 10)
+    assert d.problems == ("rank 0: bad partner copy",)
+    assert d.plan.as_event() == {"tier": "persistent", "step": 10}
+    d = planner.decide_round([SourcesVote(bad=(BadSource("persistent", 10, -1, "rank 0: bad "
+                                                         "file"),)), SourcesVote()])
+    assert d.plan == Plan("local", 5, {0: 0, 1: 1})
+    assert d.plan.as_event() == {"tier": "local", "step": 5, "servers": {0: 0, 1: 1}}
+    assert planner.decide_round([SourcesVote(), SourcesVote()]).ok
     planner.bad |= {("own", 5, 0), ("held", 5, 0), ("persistent", 5, -1)}
-    assert planner.plan() == {"tier": None}
+    assert planner.plan() == Plan() and Plan().as_event() == {"tier": None}
 
 
 def test_retention_policy_keeps_newest_verified_and_newer(tmp_path):

@@ -326,7 +326,7 @@ def test_typed_prng_keys_are_summed_as_the_key_data_orbax_writes(tmp_path):
                           Coordinator(0, 1, 60.0, "typed-keys-test"))
     try:
         tier.start_save(2, state)
-        assert tier.finish_save(2)["ok"]
+        assert tier.finish_save(2).ok
         step_dir = tier.step_dir(2)
         manifest = read_manifest(step_dir)
         want = np.asarray(jax.random.key_data(state["key"])).tobytes()

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from spmd.checkpoint.coordination import CheckpointCoordinator, CheckpointTimeout
-from spmd.comm import RankGroup, StopVote
+from spmd.comm import RankGroup, StopVote, Vote
 from spmd.comm import rank_group as rank_group_module
 from spmd.launch import LaunchError, PreemptionWatcher, resolve_launch_env
 
@@ -150,6 +150,6 @@ def test_checkpoint_agreement_keeps_its_errors(monkeypatch):
     monkeypatch.setattr("spmd.comm.agreement.kv_client", lambda: None)
     coord = CheckpointCoordinator(0, 2, 1.0, "main")
     with pytest.raises(Exception, match="checkpoint agreement needs jax.distributed") as e:
-        coord.agree("commit step 1", {"ok": True})
+        coord.agree("commit step 1", Vote())
     assert type(e.value).__name__ == "CheckpointError"
     assert issubclass(CheckpointTimeout, type(e.value))
