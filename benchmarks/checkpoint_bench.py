@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import Stats, json_line, machine, paired_ratios, table  # noqa: E402
+from common import Stats, add_record_option, emit, machine, paired_ratios, table  # noqa: E402
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 BLOCKING_TARGET = 0.2       # async blocking / sync blocking
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", action="store_true", help="CI mode: 16 MiB, 2 repetitions")
     ap.add_argument("--compress", action="store_true",
                     help="persistent tier with zstd (checkpoint.compress=true)")
+    add_record_option(ap)
     args = ap.parse_args(argv)
     if args.short:
         args.mb, args.reps, args.restore_pairs = 16, 2, 1
@@ -527,7 +528,7 @@ def run(args: argparse.Namespace, base: Path) -> int:
               f"blocked fraction {train['blocked_fraction']:.4f} (blocking "
               f"{train['blocking_s']:.3f} s + waiting {train['waited_s']:.3f} s of "
               f"{train['wall_s']:.1f} s since the checkpointer started)")
-    print(json_line(record))
+    emit(record, args)
     return 1 if verdict == "FAIL" else 0
 
 

@@ -1,18 +1,35 @@
-"""Shared timing utilities for the benchmarks: interleaved repetitions, robust statistics.
+"""Shared utilities for the benchmarks: interleaved repetitions, robust statistics, and the
+record a run keeps.
 
 Nothing here imports JAX at module level, so a benchmark can set `JAX_PLATFORMS` /
 `JAX_NUM_CPU_DEVICES` / `XLA_FLAGS` after importing this module and before JAX starts.
+
+Records: a benchmark run with `--record [VARIANT]` keeps its JSON document, wrapped with the
+date, the command, the machine and the versions, as
+`benchmarks/results/<benchmark>[-VARIANT].json`. The docs' tables and pictures are made from
+those files only (`python benchmarks/report.py`), so a figure in the docs always has its
+record, and a new record replaces the figures it measured once the report is regenerated.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "xarray",
+             "netCDF4", "h5py", "zarr")
 
 
 @dataclass(frozen=True)
@@ -133,3 +150,55 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 def json_line(record: Mapping) -> str:
     """One JSON object on one line (what CI and docs scrape)."""
     return json.dumps(record, sort_keys=False, default=str)
+
+
+def versions() -> dict[str, str]:
+    """The installed versions of the packages a figure depends on (absent ones left out)."""
+    found = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def add_record_option(parser: argparse.ArgumentParser) -> None:
+    """`--record [VARIANT]`: keep this run's record under benchmarks/results/ (module doc)."""
+    parser.add_argument(
+        "--record", nargs="?", const="", default=None, metavar="VARIANT",
+        help="also keep this run's record as benchmarks/results/<benchmark>[-VARIANT].json, "
+             "from which `python benchmarks/report.py` makes the docs' tables and pictures")
+
+
+def write_record(document: Mapping, variant: str = "", argv: Sequence[str] | None = None,
+                 results: Path = RESULTS, machine_info: Mapping | None = None) -> Path:
+    """Keep `document` (a benchmark's JSON line) as its record; returns the file written.
+    `machine_info` stands in for `machine()` where this process must not start JAX."""
+    name = str(document["benchmark"])
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]).resolve() if argv else Path(name)
+    try:
+        script_text = str(script.relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        script_text = str(script)
+    record = {
+        "benchmark": name, "variant": variant or None,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(shlex.quote(a) for a in ["python", script_text, *argv[1:]]),
+        "machine": dict(machine() if machine_info is None else machine_info),
+        "versions": versions(), "figures": dict(document),
+    }
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}{'-' + variant if variant else ''}.json"
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"record kept: {path}")
+    return path
+
+
+def emit(document: Mapping, args: argparse.Namespace | None = None) -> None:
+    """Print the benchmark's JSON line, and keep it as a record when `--record` was given."""
+    print(json_line(document))
+    variant = getattr(args, "record", None)
+    if variant is not None:
+        write_record(document, variant)

@@ -77,7 +77,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # spmd, examples
-from common import Stats, json_line, machine, paired_ratios, table  # noqa: E402
+from common import Stats, add_record_option, emit, machine, paired_ratios, table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FEED_TARGET = 0.8           # feed samples/s / raw read samples/s (gridded: plain windows)
@@ -818,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nlon", type=int, default=64, help="gridded longitudes (default 64)")
     ap.add_argument("--quick", "--short", dest="quick", action="store_true",
                     help="CI mode: 16 MiB, 1 repetition, 6 training steps, no verdict")
+    add_record_option(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.mb, args.reps = min(args.mb, 16), 1
@@ -932,7 +933,7 @@ def run(args: argparse.Namespace, formats: list[str], root: Path) -> int:
     report(record, args, rows, ratios + xarray_ratios, grows)
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=1, default=str))
-    print(json_line(record))
+    emit(record, args)
     return 1 if verdict == "FAIL" else 0
 
 

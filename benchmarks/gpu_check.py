@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import add_record_option, write_record  # noqa: E402  (imports no JAX)
+
 GPU_BUDGET_S = 420.0
 SMOKE_BUDGET_S = 600.0
 MIN_PART_S = 10.0
@@ -370,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{SMOKE_BUDGET_S:.0f} with --cpu-smoke)")
     ap.add_argument("--only", default=None, help="comma-separated parts (default: all)")
     ap.add_argument("--part", choices=tuple(CHILD_PARTS), help=argparse.SUPPRESS)
+    add_record_option(ap)
     args = ap.parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -420,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     (out / "gpu_check.md").write_text(markdown(record))
     print(markdown(record))
+    if args.record is not None:     # the devices part says where it ran: no JAX started here
+        found = record["parts"]["devices"].get("figures", {})
+        write_record(record, args.record, machine_info={
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count() or 0,
+            "loadavg_1m": f"{os.getloadavg()[0]:.2f}", "python": platform.python_version(),
+            "backend": found.get("backend", "?"), "device": found.get("device_kind", "?"),
+            "device_count": found.get("device_count", "?")})
     return 0 if all(p["status"] in ("ok", "skipped") for p in record["parts"].values()) else 1
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the checkout last: an installed spmd comes first (a GPU node's `pip install --target`,
 # benchmarks/gpu_wheels.sh), whose spmd.launch a checkout's spmd/ would hide
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from common import Stats, json_line, machine, table  # noqa: E402
+from common import Stats, add_record_option, emit, machine, table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="use at most this fraction of the allocator limit (default 0.95)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="extra config overrides (e.g. model.positions=learned)")
+    add_record_option(parser)
     args = parser.parse_args(argv)
     if args.short:
         args.size, args.steps, args.reps = args.size or "tiny", 2, 2
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare:
             worst = max(r["ratio"]["median"] for r in ran)
             print(f"spmd / plain JAX step time: worst paired median {worst:.3f} (target <= 1.0)")
-    print(json_line({
+    emit({
         "benchmark": "gpu_mfu", "mode": "short" if args.short else "full", "verdict": verdict,
         "backend": backend, "device_kind": device.device_kind, "compare": args.compare,
         **{k: best[k] for k in ("size", "params", "num_layers", "d_model", "d_ff", "seq_len",
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "hfu_xla", "peak_bytes", "loss", "compile_s")},
         "peak_flops": peak, "results": results, "xla_flags": flags, "env": env,
         "machine": machine(),
-    }))
+    }, args)
     return 1 if verdict == "FAIL" else 0
 
 

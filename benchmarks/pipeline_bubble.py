@@ -48,7 +48,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from common import Stats, json_line, machine, table  # noqa: E402
+from common import Stats, add_record_option, emit, machine, table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "transformer_tiny.yaml"
 SCHEDULES = ("gpipe", "1f1b")
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time a circular gpipe with this many repeats (M must be "
                         "multiples of --stages)")
     p.add_argument("--short", action="store_true", help="CI mode: M = 1, 2; one round")
+    add_record_option(p)
     args = p.parse_args(argv)
     if args.short:
         args.microbatches, args.rounds, args.steps = "1,2", 1, 2
@@ -196,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"b (stage backward / forward FLOPs, XLA) = {b:.3f}; 1f1b recompute tau_1f1b / "
           f"tau_gpipe = {_fmt(recompute['measured'])} (model (3 + b) / (1 + b) = "
           f"{recompute['model']:.3f})")
-    print(json_line({"benchmark": "pipeline_bubble", "mode": "short" if args.short else "full",
+    emit({"benchmark": "pipeline_bubble", "mode": "short" if args.short else "full",
                      "stages": s, "data": data, "layers": args.layers, "d_model": d,
                      "seq_len": args.seq, "microbatch_rows": args.microbatch,
                      "rounds": args.rounds, "steps_per_round": args.steps,
                      "backward_cost": b, "recompute": recompute, "fits": fits,
                      "results": results,
-                     "backend": jax.default_backend(), "machine": machine()}))
+                     "backend": jax.default_backend(), "machine": machine()}, args)
     return 0
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import json_line, machine, table  # noqa: E402
+from benchmarks.common import add_record_option, emit, machine, table  # noqa: E402
 
 CONFIG = REPO / "configs" / "transformer_tiny.yaml"
 NODES, RANKS_PER_NODE = 4, 2
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=25, help="kill once this step is logged")
     p.add_argument("--model", nargs="*", default=list(MODEL),
                    help="config overrides that size the model (a step of about 1 s here)")
+    add_record_option(p)
     args = p.parse_args(argv)
 
     from tests.helpers.netns_cluster import check_prerequisites, start_netns_cluster
@@ -206,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table([head] + [(r["scenario"], s(r["step_s"]), *(s(r[k]) for k in PHASES),
                            s(r["other_s"]), s(r["to_first_step_s"]), s(r["queue_s"]),
                            str(r["steps_computed_twice"])) for r in rows]))
-    print(json_line({"bench": "recovery", "machine": machine(), "args": vars(args),
-                     "rows": rows}))
+    emit({"benchmark": "recovery_bench", "machine": machine(), "args": vars(args),
+          "rows": rows}, args)
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from common import json_line, machine, table  # noqa: E402
+from common import add_record_option, emit, machine, table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "transformer_tiny.yaml"
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--remat", default="none,dots", help="comma-separated model.remat values")
     p.add_argument("--dtype", default="float32")
+    add_record_option(p)
     args = p.parse_args(argv)
 
     import jax
@@ -59,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     rows += [(f"{args.layers} x {d}", r["remat"], str(r["scan_layers"]), f"{r['compile_s']:.1f}",
               f"{r['hlo_lines']:,}") for r in results]
     print(table(rows))
-    print(json_line({"benchmark": "scan_compile", "layers": args.layers, "d_model": d,
+    emit({"benchmark": "scan_compile", "layers": args.layers, "d_model": d,
                      "seq_len": args.seq, "batch_size": args.batch, "results": results,
-                     "backend": jax.default_backend(), "machine": machine()}))
+                     "backend": jax.default_backend(), "machine": machine()}, args)
     return 0
 
 

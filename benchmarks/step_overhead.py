@@ -49,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # spmd without `pip install`
 from common import (  # noqa: E402
     Stats,
+    add_record_option,
+    emit,
     interleaved,
-    json_line,
     machine,
     median_ci,
     paired_differences,
@@ -625,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {', '.join(CASES)}, tensorboard, "
                              f"stragglers, recipe (default: all; --short: "
                              f"{', '.join(SHORT_CASES)})")
+    add_record_option(parser)
     args = parser.parse_args(argv)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -728,8 +730,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{lo:.3f}-{hi:.3f}) vs target <= {TARGET_RATIO}{note}")
         else:
             print("short mode: timings are a smoke test, no target is checked")
-    print(json_line({"benchmark": "step_overhead", "mode": mode, "verdict": verdict,
-                     "target_ratio": TARGET_RATIO, "machine": info, "results": results}))
+    emit({"benchmark": "step_overhead", "mode": mode, "strategy": args.strategy,
+          "verdict": verdict, "target_ratio": TARGET_RATIO, "machine": info,
+          "results": results}, args)
     failed = verdict == "FAIL" or (recipe is not None and recipe["verdict"] == "FAIL")
     return 1 if failed else 0
 

@@ -48,8 +48,9 @@ LONG_FIRST = ("tests/multiprocess/test_main_job.py", "tests/unit/models/test_sca
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pyproject's addopts): 2 workers, or SPMD_TEST_WORKERS. Measured on 2 cores
-    (docs/performance.md section 8): 3 workers gain nothing on 2 (33:49 against 34:30, more
-    CPU): the suite is CPU-bound. -n 0 runs in one process (pdb, -x on the first failure)."""
+    (docs/performance.md, "8. Start-up of a rank"; the run in benchmarks/results/LOG.md,
+    2026-11-29): 3 workers gain nothing on 2 (33:49 against 34:30, more CPU): the suite is
+    CPU-bound. -n 0 runs in one process (pdb, -x on the first failure)."""
     return int(os.environ.get("SPMD_TEST_WORKERS", min(2, os.cpu_count() or 1)))
 
 

@@ -5,7 +5,7 @@ left unset, a process's share of a 256 MiB state went into two files (64 and 192
 written and fsynced one after the other. Split into about `FILES_PER_SAVE` files, the same
 bytes are written and fsynced in parallel: on this project's test VM the same Orbax save
 took 0.17-0.19 s instead of 0.21-0.22 s (medians of 12 interleaved pairs at 16, 32 and 64
-MiB; docs/checkpointing.md), and its slowest repetitions halved. The size is bounded below
+MiB; benchmarks/results/LOG.md), and its slowest repetitions halved. The size is bounded below
 (`MIN_FILE_BYTES`: no swarm of tiny files for a small model) and above (`MAX_FILE_BYTES`,
 Orbax's own default of 2 GiB: a large state still makes files a parallel file system
 handles well); `checkpoint.persistent_file_mb` sets it outright.

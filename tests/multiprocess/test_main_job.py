@@ -79,9 +79,9 @@ def test_readme_main_command_in_a_fresh_clone(main_job):
 
 
 def orbax_snippet() -> str:
-    """The plain-Orbax snippet of docs/checkpointing.md, as a user would copy it."""
-    text = (REPO / "docs" / "checkpointing.md").read_text()
-    block = text.split("### Reading a persistent checkpoint with plain Orbax", 1)[1]
+    """The plain-Orbax snippet of docs/using_a_trained_run.md, as a user would copy it."""
+    text = (REPO / "docs" / "using_a_trained_run.md").read_text()
+    block = text.split("## Reading a persistent checkpoint with plain Orbax", 1)[1]
     return re.search(r"```python\n(.+?)\n```", block, re.S).group(1)
 
 

@@ -109,9 +109,10 @@ def test_by_default_a_local_step_newer_than_every_persistent_step_is_loaded(run_
 
 
 def orbax_snippet() -> str:
-    """The plain-Orbax snippet of docs/checkpointing.md, extracted as test_main_job does."""
-    text = (REPO / "docs" / "checkpointing.md").read_text()
-    block = text.split("### Reading a persistent checkpoint with plain Orbax", 1)[1]
+    """The plain-Orbax snippet of docs/using_a_trained_run.md, extracted as test_main_job
+    does."""
+    text = (REPO / "docs" / "using_a_trained_run.md").read_text()
+    block = text.split("## Reading a persistent checkpoint with plain Orbax", 1)[1]
     return re.search(r"```python\n(.+?)\n```", block, re.S).group(1)
 
 
@@ -137,7 +138,7 @@ def test_the_params_item_alone_loads_without_optimizer_state_also_with_plain_orb
                                           "jax.sharding.PartitionSpec('x'))")
     snippet = snippet.replace("runs/fno_darcy/checkpoints/200", str(step_dir))
     scope: dict = {"mesh": mesh}
-    exec(compile(snippet, "docs/checkpointing.md (plain Orbax)", "exec"), scope)
+    exec(compile(snippet, "docs/using_a_trained_run.md (plain Orbax)", "exec"), scope)
     params = scope["params"]   # Orbax's pure dict: keys as strings ('0' for nnx.List's 0)
     assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)] \
         == [jax.tree_util.keystr(p).replace("[0]", "['0']")

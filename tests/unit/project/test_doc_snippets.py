@@ -36,7 +36,7 @@ def test_every_snippet_runs_or_says_why_not():
             reason = s.code.lstrip().splitlines()[0][len(NOT_RUN):].strip(" :")
             assert reason, f"{s.where}: say why after '{NOT_RUN}:'"
     runnable = {s.page for s in SNIPPETS if s.runnable}
-    assert {"README.md", "docs/checkpointing.md", "docs/own_model.md"} <= runnable
+    assert {"README.md", "docs/using_a_trained_run.md", "docs/own_model.md"} <= runnable
 
 
 def test_flax_restore_recipe_builds_a_with_partitioning_model_with_no_mesh(tmp_path,
@@ -58,7 +58,7 @@ def test_flax_restore_recipe_builds_a_with_partitioning_model_with_no_mesh(tmp_p
     monkeypatch.chdir(tmp_path)
     with ocp.StandardCheckpointer() as checkpointer:     # as spmd export writes OUT/params
         checkpointer.save((tmp_path / "exported" / "params").absolute(), nnx.state(model))
-    code = snippet("docs/checkpointing.md", "nnx.use_eager_sharding(False)")
+    code = snippet("docs/using_a_trained_run.md", "nnx.use_eager_sharding(False)")
     import_line = "from spmd.models.fno import FNO2d"
     assert import_line in code and ".absolute()" in code
     scope: dict = {"lm": lm}
@@ -79,7 +79,7 @@ def test_plain_orbax_snippet_takes_its_relative_path(tmp_path, monkeypatch):
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "runs/fno_darcy/checkpoints/200/params", params)
     scope: dict = {}
-    exec(compile(snippet("docs/checkpointing.md", "checkpointer.metadata"),
+    exec(compile(snippet("docs/using_a_trained_run.md", "checkpointer.metadata"),
                  "plain orbax", "exec"), scope)
     assert jax.tree.map(np.asarray, scope["params"]).keys() == params.keys()
     np.testing.assert_array_equal(scope["params"]["layer"]["kernel"], params["layer"]["kernel"])
