@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import optax
@@ -24,6 +25,7 @@ from jax.sharding import Mesh
 from spmd.data.loader.feed import BatchFeed
 from spmd.engine.axis_rules import axis_rules, warn_replication
 from spmd.engine.engine_config import EngineSections
+from spmd.engine.executables import compile_or_load
 from spmd.engine.mesh import in_mesh
 from spmd.engine.model_errors import framed
 from spmd.engine.pipeline_checks import check_grad_accum, check_pipeline
@@ -104,11 +106,20 @@ class Runtime:
         Ahead of time, so a first step's time is a step's, and `spmd plan` reads the same
         executable that training runs.
         """
+        compiled, seconds, _ = self.load_or_compile_train_step(None, 0)
+        return compiled, seconds
+
+    def load_or_compile_train_step(self, store: Path | None,
+                                   rank: int) -> tuple[Callable, float, str]:
+        """`compile_train_step`, but with a `store` (run.keep_executables) this rank's
+        executable is loaded from it when it holds one of this very program and devices,
+        and kept there otherwise (spmd.engine.executables): (executable, seconds, "loaded"
+        or "compiled")."""
         start = time.perf_counter()
         lowered = self.train_step.lower(self.state.abstract, self.abstract_batch())
         with framed("compile", type(self.task).__name__):   # an exception from XLA: framed
-            compiled = lowered.compile()
-        return compiled, time.perf_counter() - start
+            compiled, how = compile_or_load(lowered, store, rank)
+        return compiled, time.perf_counter() - start, how
 
     def eval_params(self, state: TrainState) -> dict:
         """The parameters evaluation uses: the EMA's (cast to the parameters' dtypes) with

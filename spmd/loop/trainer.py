@@ -281,8 +281,9 @@ class Trainer:
             for hook in hooks:
                 hook.start(info)
             self._phase("the compilation")
-            compiled, seconds = rt.compile_train_step()
-            events.emit("compiled", seconds=round(seconds, 3))
+            store = run_dir / "executables" if cfg.run.keep_executables else None
+            compiled, seconds, how = rt.load_or_compile_train_step(store, env.rank)
+            events.emit("compiled", seconds=round(seconds, 3), how=how)
             if self._early is not None:  # training starts: a signal now is the vote's
                 self._early.disarm()
             clock.lap(start)  # compile time is not step time

@@ -56,6 +56,12 @@ class RunConfig(BaseModel):
         None, description="JAX's persistent compilation cache: a requeued or resumed job loads "
         "its compiled steps from here instead of compiling again (put it on a file system "
         "every node reads). null: off, or JAX_COMPILATION_CACHE_DIR.")
+    keep_executables: bool = Field(
+        True, description="Each rank keeps its compiled train step in run.dir/executables "
+        "(jax.experimental.serialize_executable, keyed by the program, the devices, the "
+        "versions and XLA_FLAGS), so a new try or a resumed job on the same layout loads it "
+        "instead of compiling (JAX's own cache serves only process 0 on CPU). false: compile "
+        "every time.")
     profile: ProfileConfig = ProfileConfig()
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list, description="Where rank 0 also sends every metrics.jsonl scalar "

@@ -1,0 +1,120 @@
+"""Each rank's compiled train step, kept beside the run, so that a new try or a resumed job
+on the same layout loads it instead of compiling (issue 50: compile was about half of a
+lost node's recovery).
+
+Why not JAX's persistent compilation cache alone: it writes entries from process 0 only,
+and keys a CPU executable by its process's device assignment, so on CPU every rank but 0
+compiles again after every restart. Here every rank keeps its own executable
+(`jax.experimental.serialize_executable`), as `<store>/<key>/rank<r>.bin`.
+
+Invariants
+- The key is a digest of everything that makes the job's executables: the lowered program's
+  text (the model, the step, the shardings and donation it was lowered with, the same on
+  every rank), the job's devices and the process each belongs to, the backend and its
+  version, jax and jaxlib, and XLA_FLAGS. A change in any of them is a new key, so a stale
+  executable is never loaded; each rank's own executable is its file in the key's folder.
+- Where JAX's persistent cache serves this process (on CPU process 0 only; on GPUs every
+  process), it does the job and the store stays out: an executable JAX loaded from its
+  cache does not serialize whole.
+- A program that calls back into Python (a host callback, an effect) is compiled and never
+  kept: its executable points into the process that compiled it.
+- A file that cannot be read or loaded is not an error: the step is compiled, as without a
+  store, and the log says why (one WARNING line, rank and path).
+- Files are written whole (spmd.atomic_write, a temporary sibling then a rename), never
+  fsynced: a lost file costs one compile. Rank 0 removes the other keys' folders once it
+  has written its own, so the store holds one layout's executables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from spmd.atomic_write import write_atomic
+
+log = logging.getLogger(__name__)
+
+
+def executable_key(lowered: Any) -> str:
+    """The digest that names `lowered`'s executable on this process (module doc)."""
+    import jaxlib
+
+    h = hashlib.sha256()
+    backend = jax.devices()[0].client
+    for part in (lowered.as_text(), jax.__version__, jaxlib.__version__,
+                 backend.platform, backend.platform_version, os.environ.get("XLA_FLAGS", ""),
+                 ",".join(f"{d.id}:{d.process_index}:{d.device_kind}" for d in jax.devices())):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def calls_back_into_python(lowered: Any) -> bool:
+    """Whether the program calls Python (jax.debug.callback, pure_callback, io_callback,
+    effects): its executable holds pointers into this process and cannot be loaded by
+    another, so it is never kept (as JAX's own cache never keeps it)."""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+    if isinstance(args, dict):
+        if any(args.get(k) for k in ("host_callbacks", "keepalive", "ordered_effects",
+                                     "unordered_effects")):
+            return True
+    return "python_cpu_callback" in lowered.as_text() or "python_gpu_callback" in (
+        lowered.as_text())
+
+
+def jax_cache_serves_this_process() -> bool:
+    """Whether JAX's own persistent compilation cache is on and may hand this process its
+    executables: on CPU process 0 only (the others' keys hold their device assignment, and
+    only process 0 writes entries), on other backends every process. Then the store stays
+    out: an executable JAX loaded from its cache does not serialize whole (XLA:CPU leaves
+    its kernels out, and loading it fails at the first step)."""
+    if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+        return False
+    return jax.default_backend() != "cpu" or jax.process_index() == 0
+
+
+def compile_or_load(lowered: Any, store: Path | None, rank: int,
+                    jax_cache_serves: bool | None = None) -> tuple[Any, str]:
+    """`lowered` compiled, or loaded from `store` (None: always compiled); and how: "loaded"
+    or "compiled". `jax_cache_serves` (default: `jax_cache_serves_this_process()`) leaves
+    the store out where JAX's cache already serves this process."""
+    if jax_cache_serves is None:
+        jax_cache_serves = jax_cache_serves_this_process()
+    if store is None or jax_cache_serves or calls_back_into_python(lowered):
+        return lowered.compile(), "compiled"
+    from jax.experimental import serialize_executable
+
+    key = executable_key(lowered)
+    path = store / key / f"rank{rank:05d}.bin"
+    if path.exists():
+        try:
+            compiled = serialize_executable.deserialize_and_load(
+                path.read_bytes(), lowered.in_tree, lowered.out_tree)
+            return compiled, "loaded"
+        except Exception as e:  # noqa: BLE001 - a lost cache entry costs a compile
+            log.warning("rank %d: the kept executable %s did not load (%s: %s); compiling "
+                        "the step again", rank, path, type(e).__name__, e)
+    compiled = lowered.compile()
+    try:
+        payload, _, _ = serialize_executable.serialize(compiled)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, payload, durable=False)
+        if rank == 0:
+            _remove_other_keys(store, key)
+    except Exception as e:  # noqa: BLE001 - the run trains on; the next try compiles
+        log.warning("rank %d: could not keep the compiled step in %s (%s: %s)", rank, path,
+                    type(e).__name__, e)
+    return compiled, "compiled"
+
+
+def _remove_other_keys(store: Path, key: str) -> None:
+    """Rank 0: the folders of other layouts (one job holds a run.dir at a time: its lease)."""
+    for folder in store.iterdir():
+        if folder.name != key and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
