@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import Stats, add_record_option, emit, machine, paired_ratios, table  # noqa: E402
+from common import Stats, add_record_option, emit, machine, paired_ratios, table, versions  # noqa: E402
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 BLOCKING_TARGET = 0.2       # async blocking / sync blocking
@@ -563,12 +563,6 @@ def jax_block(tree) -> None:
     jax.block_until_ready(tree)
 
 
-def versions() -> dict:
-    import jax
-    import orbax.checkpoint as ocp
-
-    return {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?"),
-            "backend": jax.default_backend()}
 
 
 def train_throughput(args: argparse.Namespace, base: Path, synthetic) -> dict:

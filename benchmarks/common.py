@@ -153,13 +153,19 @@ def json_line(record: Mapping) -> str:
 
 
 def versions() -> dict[str, str]:
-    """The installed versions of the packages a figure depends on (absent ones left out)."""
+    """The installed versions of the packages a figure depends on (absent ones left out),
+    and of the C libraries under h5py and netCDF4 where the benchmark imported them (this
+    imports nothing itself: gpu_check's parent never starts JAX)."""
     found = {"python": platform.python_version()}
     for name in VERSIONED:
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
+    if "h5py" in sys.modules:
+        found["hdf5"] = sys.modules["h5py"].version.hdf5_version
+    if "netCDF4" in sys.modules:
+        found["netcdf_c"] = sys.modules["netCDF4"].__netcdf4libversion__
     return found
 
 

@@ -77,7 +77,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # spmd, examples
-from common import Stats, add_record_option, emit, machine, paired_ratios, table  # noqa: E402
+from common import Stats, add_record_option, emit, machine, paired_ratios, table, versions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FEED_TARGET = 0.8           # feed samples/s / raw read samples/s (gridded: plain windows)
@@ -744,24 +744,6 @@ def train_input_wait(args: argparse.Namespace, root: Path) -> dict:
 # ------------------------------------------------------------------ main
 
 
-def versions() -> dict[str, str]:
-    import h5py
-    import jax
-    import numpy
-    import zarr
-
-    out = {"python": sys.version.split()[0], "jax": jax.__version__, "zarr": zarr.__version__,
-           "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
-           "numpy": numpy.__version__}
-    try:                                  # the writers of the gridded cases
-        import netCDF4
-        import xarray
-
-        out.update(xarray=xarray.__version__, netCDF4=netCDF4.__version__,
-                   netcdf_c=netCDF4.__netcdf4libversion__)
-    except ImportError:
-        pass
-    return out
 
 
 def shuffle_block(text: str) -> int | str:
