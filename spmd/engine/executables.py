@@ -41,13 +41,14 @@ from spmd.atomic_write import write_atomic
 log = logging.getLogger(__name__)
 
 
-def executable_key(lowered: Any) -> str:
-    """The digest that names `lowered`'s executable on this process (module doc)."""
+def executable_key(lowered: Any, text: str | None = None) -> str:
+    """The digest that names `lowered`'s executables (module doc); `text`: its `as_text()`,
+    when the caller has it already (a large program's text takes time to render)."""
     import jaxlib
 
     h = hashlib.sha256()
     backend = jax.devices()[0].client
-    for part in (lowered.as_text(), jax.__version__, jaxlib.__version__,
+    for part in (lowered.as_text() if text is None else text, jax.__version__, jaxlib.__version__,
                  backend.platform, backend.platform_version, os.environ.get("XLA_FLAGS", ""),
                  ",".join(f"{d.id}:{d.process_index}:{d.device_kind}" for d in jax.devices())):
         h.update(part.encode())
@@ -55,17 +56,17 @@ def executable_key(lowered: Any) -> str:
     return h.hexdigest()[:24]
 
 
-def calls_back_into_python(lowered: Any) -> bool:
+def calls_back_into_python(lowered: Any, text: str | None = None) -> bool:
     """Whether the program calls Python (jax.debug.callback, pure_callback, io_callback,
     effects): its executable holds pointers into this process and cannot be loaded by
-    another, so it is never kept (as JAX's own cache never keeps it)."""
+    another, so it is never kept (as JAX's own cache never keeps it). `text`: as for
+    `executable_key`."""
     args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
-    if isinstance(args, dict):
-        if any(args.get(k) for k in ("host_callbacks", "keepalive", "ordered_effects",
-                                     "unordered_effects")):
-            return True
-    return "python_cpu_callback" in lowered.as_text() or "python_gpu_callback" in (
-        lowered.as_text())
+    if isinstance(args, dict) and any(args.get(k) for k in (
+            "host_callbacks", "keepalive", "ordered_effects", "unordered_effects")):
+        return True
+    text = lowered.as_text() if text is None else text
+    return "python_cpu_callback" in text or "python_gpu_callback" in text
 
 
 def jax_cache_serves_this_process() -> bool:
@@ -86,11 +87,14 @@ def compile_or_load(lowered: Any, store: Path | None, rank: int,
     the store out where JAX's cache already serves this process."""
     if jax_cache_serves is None:
         jax_cache_serves = jax_cache_serves_this_process()
-    if store is None or jax_cache_serves or calls_back_into_python(lowered):
+    if store is None or jax_cache_serves:
+        return lowered.compile(), "compiled"
+    text = lowered.as_text()
+    if calls_back_into_python(lowered, text):
         return lowered.compile(), "compiled"
     from jax.experimental import serialize_executable
 
-    key = executable_key(lowered)
+    key = executable_key(lowered, text)
     path = store / key / f"rank{rank:05d}.bin"
     if path.exists():
         try:
