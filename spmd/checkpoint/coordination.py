@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spmd.checkpoint.interface import CheckpointError
-from spmd.comm.agreement import Coordinator, Decision, Vote
+from spmd.comm.agreement import Coordinator, Decision, Vote, failed_votes
 from spmd.comm.errors import AgreementTimeout
 
 
@@ -64,8 +64,7 @@ class LocalCommit(Decision):
 
 def decide_local(votes: list[LocalVote]) -> LocalCommit:
     """Rank 0: commit when every rank wrote its share; the failing ranks' errors otherwise."""
-    errors = tuple(v.error if v.error is not None else f"rank {r} failed"
-                   for r, v in enumerate(votes) if not v.ok)
+    errors = failed_votes(votes)
     if errors:
         return LocalCommit(ok=False, errors=errors)
     newest = [v.newest for v in votes]

@@ -43,7 +43,7 @@ from spmd.checkpoint.files import (
     read_json,
     write_json_atomic,
 )
-from spmd.comm.agreement import Decision, Vote
+from spmd.comm.agreement import Decision, Vote, failed_votes
 
 MANIFEST = "spmd_manifest.json"
 FORMAT = "spmd-persistent/3"
@@ -249,8 +249,7 @@ class PersistentCommit(Decision):
 def write_manifest(step_dir: Path, step: int, votes: list[PersistentVote], size: int,
                    params_finite: bool | None = None) -> PersistentCommit:
     """Rank 0: the manifest from every rank's vote (its files and chunks), atomically."""
-    errors = tuple(v.error if v.error is not None else f"rank {r} failed"
-                   for r, v in enumerate(votes) if not v.ok)
+    errors = failed_votes(votes)
     if errors:
         return PersistentCommit(ok=False, errors=errors)
     files: dict[str, dict] = {}

@@ -73,10 +73,16 @@ D = TypeVar("D", bound=Decision)
 T = TypeVar("T")
 
 
+def failed_votes(votes: list[Vote]) -> tuple[str, ...]:
+    """The error of each rank whose vote is not ok, in rank order ("rank N failed" where
+    it gave none)."""
+    return tuple(v.error if v.error is not None else f"rank {r} failed"
+                 for r, v in enumerate(votes) if not v.ok)
+
+
 def all_ok(votes: list[Vote]) -> Decision:
     """The default decision: ok when every vote is; the failing ranks' errors otherwise."""
-    errors = tuple(v.error if v.error is not None else f"rank {r} failed"
-                   for r, v in enumerate(votes) if not v.ok)
+    errors = failed_votes(votes)
     return Decision(ok=not errors, errors=errors)
 
 
