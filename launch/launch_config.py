@@ -65,6 +65,13 @@ class LaunchConfig(BaseModel):
         "ranks again inside one allocation (after a lost node, a killed rank or a hang). "
         "null: launch.spare_nodes + 1 when spares or elastic=shrink are asked for, else 0; "
         "0: no restart inside the job (a failure ends it: requeue or its error, as always).")
+    node_timeout_s: float = Field(
+        2.0, ge=0, description="Recovery inside the allocation: every rank sends the job "
+        "script's supervisor a liveness beat twice a second; a node none of whose running "
+        "ranks has beaten for this long, while the other nodes' ranks beat, is lost, and the "
+        "ranks start again without it at once (a slow rank still beats: a straggler is never "
+        "removed). 0: no beats; a lost node is then seen from srun and the scheduler only, "
+        "in tens of seconds.")
     retry_errors: bool = Field(
         False, description="Also start again after a Python exception on a healthy node "
         "(a passing file-system error), within launch.max_restarts; the same error twice in "

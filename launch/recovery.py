@@ -10,7 +10,9 @@ and `decide` turns it into a `Decision`:
     preempted       status 75, or the supervisor was signalled          exit with it: the
                                                                         job script requeues
                                                                         or stops, as always
-    node_lost       a host of the try is down/drained for the scheduler relaunch without it
+    node_lost       a host of the try is down/drained for the scheduler, relaunch without it
+                    or none of its ranks beats while the others do
+                    (spmd.launch.liveness)
     error           a rank announced a Python exception (`failed`       stop, with its error
                     record) and its host is up                          (launch.retry_errors:
                                                                         relaunch, unless it
@@ -108,6 +110,7 @@ class Outcome:
     reported_ranks: set[int] = field(default_factory=set)  # any other rank it said ended
     down_hosts: list[str] = field(default_factory=list)   # hosts the scheduler reports down
     failed_nodes: list[str] = field(default_factory=list)  # nodes the launcher reports failed
+    silent_hosts: list[str] = field(default_factory=list)  # hosts that stopped beating
     signalled: bool = False                       # the supervisor got a stop/warning signal
     started_at: float = 0.0
     ended_at: float = 0.0
@@ -288,6 +291,10 @@ def classify(out: Outcome, plan: Plan, state: State) -> Decision:
     down = [h for h in dict.fromkeys([*out.down_hosts, *out.failed_nodes])
             if h in used or not hosts]
     why = "is down for the scheduler"
+    if not down and out.silent_hosts:
+        down = list(out.silent_hosts)
+        why = ("stopped beating (none of its ranks sent a liveness beat for "
+               "launch.node_timeout_s, and neither they nor the launcher reported an end)")
     if not down and out.vanished_hosts():
         down = out.vanished_hosts()
         why = "vanished with every rank on it (no exit status from the launcher)"

@@ -8,14 +8,16 @@ allocation when a node or a rank is lost.
 
 A job script rendered with spares or a restart budget (`spmd jobscript --spare-nodes K`,
 launch.spare_nodes / launch.max_restarts) runs this instead of the launcher line. Each try
-runs the launcher (its stderr passed through, and read for the ranks it reports killed);
-when it ends with a failure the supervisor gathers the evidence (the ranks' records of the
-try in run.dir/events.jsonl, which name the failed rank and host, and the scheduler's node
-states), lets `spmd.launch.recovery.decide` choose, writes the decision to
-run.dir/recovery.jsonl (`spmd report` shows each one) and relaunches without the failed
-hosts, or exits: 0, the ranks' status, or 76 for the job script to requeue. The ranks
-restore from the last checkpoint as any resumed run does (partner copies, else the
-persistent tier) and load the compiled step from the compilation cache.
+runs the launcher (its stderr passed through, and read for the ranks it reports killed) and
+listens for the ranks' liveness beats (spmd.launch.liveness: a host that stops beating is a
+lost node, and the try is ended at once); when it ends with a failure the supervisor
+gathers the evidence (the ranks' records of the try in run.dir/events.jsonl, which name the
+failed rank and host, the hosts that stopped beating, and the scheduler's node states),
+lets `spmd.launch.recovery.decide` choose, writes the decision to run.dir/recovery.jsonl
+(`spmd report` shows each one) and relaunches without the failed hosts, or exits: 0, the
+ranks' status, or 76 for the job script to requeue. The ranks restore from the last
+checkpoint as any resumed run does (partner copies, else the persistent tier) and load
+the compiled step they kept (run.dir/executables) or JAX's compilation cache.
 
 Signals: USR1/USR2/TERM/INT are passed to the running launcher (srun forwards them to the
 ranks), and no try starts after one. Knows nothing of models: a try is a command line.
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,9 +37,11 @@ import time
 from collections import deque
 from pathlib import Path
 
-from spmd.launch import node_state
+from spmd.launch import liveness, node_state
+from spmd.launch.coordinator import own_address
 from spmd.launch.env import job_identity
 from spmd.launch.recovery import (
+    ENDS,
     RECORDS_NAME,
     Decision,
     Outcome,
@@ -57,7 +62,7 @@ LEASE_NAME = "lease.json"     # spmd.rundir.lease's file (this layer may not imp
 HUNG_NAME = "HUNG"            # spmd.comm.hang_watchdog's report of a hang
 GRACE_S = 10.0   # a rank died by a signal: the others may end on their own this long
 POLL_S = 5.0     # between two looks at the scheduler's node states during a try
-READ_S = 2.0     # between two reads of the ranks' new records during a try
+READ_S = 1.0     # between two reads of the ranks' new records during a try
 ENDING_S = 10.0  # a failure's ranks end within this (spmd.comm.job_failure's waits)
 DOWN_WAIT_S = 5.0  # srun's abort of a try with a host down: the live ranks end within this
 SILENT_S = ENDING_S   # every rank off some hosts ended and none of theirs said a word in
@@ -108,6 +113,11 @@ class Supervisor:
         self.signalled: int | None = None
         self.grace_s, self.poll_s = GRACE_S, POLL_S
         self.ending_s, self.silent_s = ENDING_S, SILENT_S
+        self.node_timeout_s = liveness.TIMEOUT_S   # 0: no beats asked for
+        self.beats: liveness.Listener | None = None
+        self.beat_host = ""                     # the address the ranks beat to
+        self.ranks = plan.nodes * plan.ranks_per_node
+        self.silent: dict[str, float] = {}     # hosts that stopped beating: seconds silent
         self.before_abort: str | None = None   # the launcher's report when we ended the try
 
     # ------------------------------------------------------------ signals
@@ -128,7 +138,10 @@ class Supervisor:
     # ------------------------------------------------------------ tries
 
     def _try(self, argv: list[str], attempt: int, started: float) -> tuple[int, str]:
-        env = {**os.environ, "SPMD_RECOVERY_ATTEMPT": str(attempt)}
+        env = {**os.environ, liveness.ATTEMPT_VAR: str(attempt)}
+        if self.beats is not None:
+            self.beats.new_try(attempt)
+            env[liveness.ADDR_VAR] = f"{self.beat_host}:{self.beats.port}"
         # the launcher's lines about tasks and nodes (one per node and status on srun: a
         # large job's are kept whole), for the evidence
         tail: deque[str] = deque(maxlen=100_000)
@@ -154,9 +167,10 @@ class Supervisor:
         the launcher reports dead by a signal while the others still run `grace_s` later (a
         peer on another host may wait for the heartbeat timeout), or a host the try's ranks
         run on (their `started` records) that the scheduler reports down (checked every
-        `poll_s`), or a launcher that waits only for hosts none of whose ranks said a word
-        while every other rank has ended (`silent_s` later: a lost node, seen long before the
-        scheduler marks it down)."""
+        `poll_s`), or a host none of whose ranks still due has beaten for `node_timeout_s`
+        while another host's did (a lost node, seen in seconds: spmd.launch.liveness), or a
+        launcher that waits only for hosts none of whose ranks said a word while every other
+        rank has ended (`silent_s` later: a lost node where the ranks do not beat)."""
         broken_at: float | None = None
         silent_since: float | None = None
         next_poll = time.monotonic() + self.poll_s
@@ -167,12 +181,33 @@ class Supervisor:
         next_read = time.monotonic() + READ_S
         while True:
             try:
-                return proc.wait(timeout=0.5)
+                return proc.wait(timeout=0.25)
             except subprocess.TimeoutExpired:
                 pass
             if aborted or self.signalled is not None:
                 continue
             now = time.monotonic()
+            if self.beats is not None and self.node_timeout_s:
+                self.beats.drain(now)
+                text = "".join(tail)
+                exited, killed = exited_from_launcher(text), killed_from_launcher(text)
+                ended = ({int(e["rank"]) for e in records if e.get("event") in ENDS
+                          and "rank" in e} | exited | set(killed))
+                timeout = liveness.timeout_for(self.node_timeout_s, self.ranks)
+                # a host that fell silent while others beat; or, once the launcher saw every
+                # rank elsewhere end, the hosts it still waits for that stopped beating
+                silent = (self.beats.silent_hosts(timeout, ended, now)
+                          or self.beats.silent_hosts(
+                              timeout, ended, now,
+                              left=only_silent_hosts_left(records, exited, killed)))
+                if silent:
+                    self.silent = silent
+                    ranks = self.beats.ranks_on(silent)
+                    say(f"{', '.join(sorted(silent))} stopped beating: no word from its "
+                        f"rank(s) {', '.join(map(str, ranks))} in "
+                        f"{max(silent.values()):.1f} s (a lost node): ending the try")
+                    aborted = self._abort(proc, tail, wait_s=1.0)
+                    continue
             if broken_at is None and (killed_from_launcher(text := "".join(tail))
                                       or failed_nodes_from_launcher(text)):
                 broken_at = now
@@ -273,6 +308,14 @@ class Supervisor:
         plan = self.plan
         state = State(nodes=plan.nodes)
         attempt = 0
+        if self.node_timeout_s and self.beats is None:
+            try:
+                self.beats = liveness.Listener()
+                self.beat_host = own_address(socket.gethostname())
+            except OSError as e:
+                say(f"no listener for the ranks' liveness beats ({e}): a lost node is seen "
+                    "from srun and the scheduler only")
+                self.beats = None
         while True:
             hosts = choose_hosts(plan, state) if plan.hosts else []
             argv = node_state.launch_argv(
@@ -286,7 +329,7 @@ class Supervisor:
                           "job_id": job_identity(os.environ)[0]})
             say(f"try {attempt}: {state.nodes} node(s) x {plan.ranks_per_node} rank(s)"
                 + (f", leaving out {', '.join(state.excluded)}" if state.excluded else ""))
-            self.before_abort = None
+            self.before_abort, self.silent = None, {}
             status, stderr = self._try(argv, attempt, started)
             before = stderr if self.before_abort is None else self.before_abort
             ended = time.time()
@@ -299,6 +342,7 @@ class Supervisor:
                               reported_ranks=set(killed_from_launcher(stderr)),
                               exited_ranks=exited_from_launcher(stderr),
                               failed_nodes=failed_nodes_from_launcher(stderr), down_hosts=down,
+                              silent_hosts=sorted(self.silent),
                               signalled=self.signalled is not None, started_at=started,
                               ended_at=ended)
             d = decide(outcome, plan, state)
@@ -306,7 +350,8 @@ class Supervisor:
                 return d.status
             self._record({"event": "recovery", "time": time.time(), "attempt": attempt,
                           "ended_at": ended, "status": status, "nodes_before": state.nodes,
-                          "down_hosts": down, "job_id": job_identity(os.environ)[0],
+                          "down_hosts": down, "silent_hosts": sorted(self.silent),
+                          "job_id": job_identity(os.environ)[0],
                           **d.as_record()})
             say(_describe(d, attempt))
             if d.action not in ("relaunch", "shrink"):
@@ -354,6 +399,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--silent", type=float, default=SILENT_S, metavar="S",
                    help="end a try S seconds after every rank but those of some hosts ended "
                         "and none of theirs said a word")
+    p.add_argument("--node-timeout", type=float, default=liveness.TIMEOUT_S, metavar="S",
+                   help="a host none of whose ranks has sent its liveness beat for S seconds "
+                        "while the others beat is lost (0: no beats; launch.node_timeout_s)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- each rank's command")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -376,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor(args.scheduler, args.run_dir, args.launcher, args.command, plan)
     sup.grace_s, sup.poll_s = args.grace, args.poll
     sup.ending_s, sup.silent_s = args.ending, args.silent
+    sup.node_timeout_s = args.node_timeout
     sup.install()
     return sup.run()
 

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from spmd.errors import ExitCode
+from spmd.launch import liveness
 
 LAUNCHER_PID_VAR = "SPMD_LAUNCHER_PID"
 LAUNCHER_START_VAR = "SPMD_LAUNCHER_START"
@@ -111,6 +112,7 @@ def _end(line: str) -> None:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
     print(f"spmd: error: {text}", file=sys.stderr, flush=True)
+    liveness.say_bye()
     os._exit(ExitCode.ORPHANED)
 
 
@@ -195,7 +197,9 @@ _exit_mark: list[tuple[Path, int, int]] = []  # (marker dir, this rank, ranks on
 
 def leave_exit_mark() -> None:
     """Mark this rank as ended on its own (its peers do not report it lost); run at exit,
-    and by a rank that ends with os._exit on purpose (a reported failure or hang)."""
+    and by a rank that ends with os._exit on purpose (a reported failure or hang). Its
+    liveness beat to a recovery supervisor stops with it (spmd.launch.liveness)."""
+    liveness.say_bye()
     if _exit_mark:
         _mark_exit(*_exit_mark.pop())
 

@@ -18,6 +18,7 @@ import traceback
 
 from spmd.comm.job_failure import announced, end_process
 from spmd.errors import ExitCode, SpmdError
+from spmd.launch import liveness
 
 DISTRIBUTION = "spmd-hpc"
 COMMANDS = ("train", "run", "doctor", "shardings", "optimizer", "jobscript", "ckpt", "plot",
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    liveness.start_from_env()   # a rank under the recovery supervisor beats from now on
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `key=value` overrides may follow options (`spmd shardings C --json mesh.strategy=tp`).

@@ -123,6 +123,7 @@ class JobRequest:
     max_restarts: int = 0             # relaunches inside the allocation (0: no supervisor)
     elastic: str = "requeue"          # launch.elastic
     retry_errors: bool = False        # launch.retry_errors
+    node_timeout_s: float = 2.0       # launch.node_timeout_s
 
     @property
     def recovery(self) -> bool:
@@ -272,7 +273,7 @@ def make_request(config: str | Path, *, system: str, nodes: int, time: str,
         script_path=Path(script_path).resolve() if script_path else None,
         setup=setup_lines(setup, workdir), setup_args=tuple(setup), notes=tuple(notes),
         spare_nodes=launch.spare_nodes, max_restarts=restarts, elastic=launch.elastic,
-        retry_errors=launch.retry_errors)
+        retry_errors=launch.retry_errors, node_timeout_s=launch.node_timeout_s)
 
 
 def setup_lines(items: Sequence[str], workdir: Path | None = None) -> tuple[str, ...]:
@@ -404,7 +405,7 @@ def supervisor_command(req: JobRequest) -> str:
     argv = [req.python, "-m", "spmd.launch.supervisor", "--scheduler", p.scheduler,
             "--run-dir", str(req.run_dir), "--nodes", str(req.nodes), "--ranks-per-node",
             str(req.ranks_per_node), "--elastic", req.elastic, "--max-restarts",
-            str(req.max_restarts)]
+            str(req.max_restarts), "--node-timeout", f"{req.node_timeout_s:g}"]
     if req.retry_errors:
         argv.append("--retry-errors")
     return " ".join(shlex.quote(a) for a in argv) + " --launcher " + shlex.quote(template)

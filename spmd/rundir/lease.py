@@ -44,7 +44,7 @@ from typing import Any
 
 from spmd.comm.rank_group import RankGroup
 from spmd.errors import ExitCode, SpmdError
-from spmd.launch import LaunchEnv
+from spmd.launch import LaunchEnv, liveness
 from spmd.launch.env import job_identity
 from spmd.launch.watchdog import launcher_from, process_alive, process_start_time
 
@@ -299,6 +299,7 @@ class RunLease:
                       f"({new}); stopping with status {ExitCode.LEASE_LOST:d} without writing "
                       "more: another run owns this run directory now", file=sys.stderr,
                       flush=True)
+                liveness.say_bye()
                 os._exit(ExitCode.LEASE_LOST)
             try:
                 os.utime(self.path)

@@ -186,6 +186,18 @@ def test_a_host_whose_ranks_all_vanished_is_left_out():
     assert d.kind == "process_lost" and d.exclude == ()
 
 
+def test_a_host_that_stopped_beating_is_left_out_even_when_srun_says_nothing():
+    out = Outcome(status=137, records=four_nodes_ranks(), silent_hosts=["n3"])
+    d = decide(out, plan(), State(nodes=4))
+    assert (d.action, d.kind, d.exclude, d.failed_hosts) == ("relaunch", "node_lost", ("n3",),
+                                                            ("n3",))
+    assert "stopped beating" in d.cause and d.failed_rank == 4
+    # the scheduler's word comes first when it has one
+    out = Outcome(status=137, records=four_nodes_ranks(), silent_hosts=["n3"],
+                  down_hosts=["n2"])
+    assert decide(out, plan(), State(nodes=4)).exclude == ("n2",)
+
+
 def test_config_and_data_errors_are_never_retried():
     for code in (ExitCode.USER_ERROR, ExitCode.NONFINITE, ExitCode.LEASE_LOST):
         records = four_nodes_ranks() + [failed(0, "n1", "train.batch_size ...", int(code))]
@@ -302,7 +314,9 @@ def test_launch_lines_leave_the_failed_hosts_out():
 
 # A stand-in launcher: the Nth call acts out try N of FAKE_TRIES (a JSON list): it writes the
 # try's records to run.dir/events.jsonl as the ranks would, prints its stderr lines and exits
-# with its status. A try may also ask to be signalled ("wait": seconds) and then exit 75.
+# with its status. A try may also ask to be signalled ("wait": seconds) and then exit 75, and
+# may start real liveness beacons ("beats": rank, host and, for a node that dies, how long it
+# beats), as the ranks of those hosts would.
 LAUNCHER = r"""import json, os, signal, sys, time
 log = os.environ["STUB_LOG"]
 open(log, "a").write(" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\n")
@@ -319,9 +333,21 @@ with open(os.path.join(os.environ["FAKE_RUN_DIR"], "events.jsonl"), "a") as fh:
         fh.write(json.dumps({"time": time.time(), **e}) + "\n")
 sys.stderr.write(t.get("stderr", ""))
 sys.stderr.flush()
+beacons, began = [], time.time()
+if t.get("beats"):
+    from spmd.launch import liveness
+    host, port = os.environ["SPMD_BEAT_ADDR"].rsplit(":", 1)
+    for b in t["beats"]:
+        beacon = liveness.Beacon((host, int(port)), b["rank"],
+                                 int(os.environ["SPMD_RECOVERY_ATTEMPT"]))
+        beacon.message["host"] = b["host"]
+        beacons.append((beacon.start(), b.get("for")))
 time.sleep(t.get("hang", 0))   # survivors that do not notice the dead rank
 deadline = time.time() + t.get("wait", 0)
 while time.time() < deadline and not got:
+    for beacon, beats_for in beacons:   # a node that dies: its beats stop, with no bye
+        if beats_for is not None and time.time() - began > beats_for:
+            beacon.child.kill()
     time.sleep(0.02)
 sys.exit(75 if got else t["status"])
 """
@@ -382,6 +408,31 @@ def test_slurm_node_loss_relaunches_on_a_spare_without_the_node(bindir, tmp_path
     assert recovery["failed_rank"] == 1 and recovery["action"] == "relaunch"
     assert recovery["job_id"] == "77" and recovery["ended_at"] <= recovery["time"]
     assert "try 0 ended (node_lost): node n2 is down" in err and "without n2" in err
+
+
+@pytest.mark.slow   # runs the supervisor, its stand-in launchers and real beacons
+def test_a_host_that_stops_beating_ends_the_try_in_seconds_and_is_left_out(bindir, tmp_path):
+    """n2's ranks stop beating after 1 s (no bye: the node died) while n1's beat on, and
+    neither srun nor the scheduler says a word: the supervisor ends the try about
+    launch.node_timeout_s later, not after the 60 s the try would still wait."""
+    silent_n2 = {"events": [{"event": "started", "rank": 0, "host": "n1"},
+                            {"event": "started", "rank": 1, "host": "n2"}],
+                 "beats": [{"rank": 0, "host": "n1"}, {"rank": 1, "host": "n2", "for": 1.0}],
+                 "wait": 60, "status": 137}
+    code, err, run_dir = supervise(
+        tmp_path, bindir, "slurm", "srun --nodes={nodes} --ntasks={ranks}",
+        [silent_n2, FINISHES], "--max-restarts", "2", "--node-timeout", "2",
+        env={"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "78",
+             "STUB_OUT_sinfo": "n1 alloc\nn2 alloc\nn3 idle\n"})
+    assert code == 0, err
+    launch0, recovery, launch1 = records(run_dir)
+    assert recovery["kind"] == "node_lost" and recovery["action"] == "relaunch", recovery
+    assert recovery["silent_hosts"] == ["n2"] and recovery["failed_hosts"] == ["n2"]
+    assert recovery["down_hosts"] == [] and "stopped beating" in recovery["cause"]
+    assert launch1["exclude"] == ["n2"]
+    # 1 s of beats, the 2 s timeout, the abort: far below the try's 60 s (CI may be loaded)
+    assert 3.0 <= recovery["ended_at"] - launch0["time"] < 20.0, (launch0, recovery)
+    assert "n2 stopped beating: no word from its rank(s) 1 in" in err, err
 
 
 @pytest.mark.slow   # runs the supervisor and its stand-in launchers
