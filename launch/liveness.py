@@ -79,7 +79,8 @@ class Beacon:
     call that does not release it, an HDF5 read on a slow file system) is slow, not lost,
     and must not fall silent. The child is this file run by its path (the standard library
     only: no JAX, no numpy), dies with the rank (PR_SET_PDEATHSIG, and it looks for its
-    parent before each beat), and holds none of the rank's files."""
+    parent before each beat), and holds none of the rank's files (Hydra's and Slurm's PMI
+    sockets among them: their lifetime must be the rank's)."""
 
     def __init__(self, addr: tuple[str, int], rank: int | None, attempt: int,
                  beat_s: float = BEAT_S):
@@ -100,9 +101,9 @@ class Beacon:
         self._send()   # the first beat at once, before the child is up
         self.child = subprocess.Popen(
             [sys.executable, "-I", "-S", __file__, self.addr[0], str(self.addr[1]),
-             json.dumps(self.message), str(self.beat_s)],
+             json.dumps(self.message), str(self.beat_s), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            close_fds=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            close_fds=True)
         return self
 
     def bye(self) -> None:
@@ -121,7 +122,8 @@ class Beacon:
 
 
 def _die_with_parent() -> None:
-    """In the beat child before exec: SIGKILL it when the rank dies (Linux prctl)."""
+    """In the beat child: SIGKILL it when the rank dies (Linux prctl; set by the child
+    itself, not in a pre-exec hook, which a rank with threads must not run)."""
     try:
         import ctypes
 
@@ -130,9 +132,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def _beat_forever(host: str, port: int, message: str, beat_s: float) -> None:
-    """The beat child's loop: one datagram every `beat_s` while its parent (the rank) lives."""
-    parent = os.getppid()
+def _beat_forever(host: str, port: int, message: str, beat_s: float, parent: int) -> None:
+    """The beat child's loop: one datagram every `beat_s` while its parent (the rank) lives;
+    none once it is gone, even when it died before the child could ask to die with it."""
+    if sys.platform == "linux":
+        _die_with_parent()
     data = message.encode()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         while os.getppid() == parent:
@@ -253,5 +257,6 @@ class Listener:
         self.sock.close()
 
 
-if __name__ == "__main__":   # the beat child: HOST PORT MESSAGE BEAT_S
-    _beat_forever(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))
+if __name__ == "__main__":   # the beat child: HOST PORT MESSAGE BEAT_S PARENT_PID
+    _beat_forever(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]),
+                  int(sys.argv[5]))
