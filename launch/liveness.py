@@ -107,8 +107,10 @@ class Beacon:
         return self
 
     def bye(self) -> None:
-        """This rank ends on its own: stop beating and say so (twice: UDP may drop one)."""
-        if self.ended:
+        """This rank ends on its own: stop beating and say so (twice: UDP may drop one).
+        Nothing in a process forked from the rank (a data worker ending with atexit
+        handlers): the rank itself still runs."""
+        if self.ended or os.getpid() != self.message["pid"]:
             return
         self.ended = True
         if self.child is not None:

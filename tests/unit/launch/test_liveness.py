@@ -13,9 +13,12 @@ import time
 from spmd.launch import liveness
 
 RANK = """
-import sys, time
+import os, sys, time
 from spmd.launch import liveness
 liveness.start_from_env()
+if os.fork() == 0:          # a worker forked from the rank ends, atexit handlers and all
+    sys.exit(0)
+os.wait()
 print("up", flush=True)
 time.sleep(float(sys.argv[1]))
 """
@@ -46,7 +49,9 @@ def test_a_rank_beats_with_its_rank_host_and_pid_until_it_says_bye():
         proc = start_rank(listener, 3, 1.5, attempt=1)
         drain_for(listener, 1.0)
         beat = listener.beats[(socket.gethostname(), proc.pid)]
+        # still beating, though a process forked from it ran the bye at its exit
         assert (beat.rank, beat.host, beat.bye) == (3, socket.gethostname(), False)
+        assert time.monotonic() - beat.at < 0.6
         assert (socket.gethostname(), stale.pid) not in listener.beats  # other try: dropped
         assert proc.wait(10) == 0
         drain_for(listener, 0.3)
