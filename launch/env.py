@@ -140,7 +140,7 @@ def resolve_launch_env(environ: Mapping[str, str] | None = None, mpi_comm: Any =
     environ = os.environ if environ is None else environ
     v = schedulers.Vars(environ)
     hostname = socket.gethostname()
-    found = next((f for f in (reader(v) for reader in schedulers.CHAIN) if f is not None), None)
+    found = schedulers.find(v)
     if found is None and mpi_comm is not None and mpi_comm.Get_size() > 1:
         found = schedulers.Found("mpi4py", mpi_comm.Get_rank(), mpi_comm.Get_size(),
                                  {"launcher": "mpi4py COMM_WORLD", "rank": "mpi4py COMM_WORLD",

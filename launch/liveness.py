@@ -55,20 +55,17 @@ def timeout_for(node_timeout_s: float, ranks: int) -> float:
 
 def launcher_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
     """(rank, ranks) of this process as its launcher numbers them (srun's task id, PMI's
-    rank...), or None outside a launcher."""
+    rank...), or None outside a launcher or where its variables are malformed (the rank's
+    own start-up names them)."""
     # imported here: run by its path (the beat child), this file loads the standard library
     from spmd.launch import schedulers
     from spmd.launch.errors import LaunchError
 
-    v = schedulers.Vars(environ)
-    for reader in schedulers.CHAIN:
-        try:
-            found = reader(v)
-        except LaunchError:
-            continue
-        if found is not None:
-            return found.rank, found.size
-    return None
+    try:
+        found = schedulers.find(schedulers.Vars(environ))
+    except LaunchError:
+        return None
+    return None if found is None else (found.rank, found.size)
 
 
 class Beacon:
@@ -211,9 +208,7 @@ class Listener:
         while True:
             try:
                 data = self.sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+            except OSError:   # nothing more has come (BlockingIOError), or the socket closed
                 return
             try:
                 m = json.loads(data)

@@ -131,7 +131,7 @@ class Outcome:
         or its network, that went away with every rank on it."""
         if not self.exited_ranks:
             return []
-        ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
+        ended = ended_ranks(self.records)
         seen = ended | self.exited_ranks | set(self.killed_ranks) | self.reported_ranks
         by_host: dict[str, list[int]] = {}
         for rank, host in self.hosts_of_ranks().items():
@@ -141,7 +141,7 @@ class Outcome:
     def dead_hosts(self) -> list[str]:
         """Hosts every rank of which the launcher reports dead by a signal, or (when it
         reports exits) unaccounted for: the node itself is suspect."""
-        ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
+        ended = ended_ranks(self.records)
         alive = ended | self.exited_ranks | (self.reported_ranks - set(self.killed_ranks))
         by_host: dict[str, list[int]] = {}
         for rank, host in self.hosts_of_ranks().items():
@@ -151,7 +151,7 @@ class Outcome:
 
     def silent_ranks(self) -> list[int]:
         """Ranks that started but wrote no end record (killed, or ended by a watchdog)."""
-        ended = {int(e["rank"]) for e in self.records if e.get("event") in ENDS}
+        ended = ended_ranks(self.records)
         return sorted(set(self.hosts_of_ranks()) - ended)
 
     def last_record_time(self, ranks: Iterable[int]) -> float | None:
@@ -159,6 +159,12 @@ class Outcome:
         times = [float(e["time"]) for e in self.records
                  if int(e.get("rank", -1)) in wanted and "time" in e]
         return max(times) if times else None
+
+
+def ended_ranks(records: Iterable[dict]) -> set[int]:
+    """The ranks whose own end record (finished, preempted, stopped, failed) is in
+    `records`."""
+    return {int(e["rank"]) for e in records if e.get("event") in ENDS and "rank" in e}
 
 
 def only_silent_hosts_left(records: list[dict], exited: set[int],
@@ -172,7 +178,7 @@ def only_silent_hosts_left(records: list[dict], exited: set[int],
     silent = out.vanished_hosts()
     if not silent:
         return []
-    ended = {int(e["rank"]) for e in records if e.get("event") in ENDS}
+    ended = ended_ranks(records)
     accounted = ended | exited | set(killed)
     others = [r for r, h in out.hosts_of_ranks().items() if h not in silent]
     return silent if others and all(r in accounted for r in others) else []

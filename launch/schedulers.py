@@ -156,6 +156,11 @@ CHAIN: tuple[Callable[[Vars], Found | None], ...] = (
     explicit, slurm, flux, jsrun, pals, openmpi, hydra)
 
 
+def find(v: Vars) -> Found | None:
+    """What the first launcher of the chain whose variables are set tells (None: none is)."""
+    return next((f for f in (reader(v) for reader in CHAIN) if f is not None), None)
+
+
 def block_layout(f: Found) -> None:
     """Fill `f.node_of_rank` assuming ranks are numbered node by node (no MPI to ask hosts)."""
     if f.node_of_rank is not None:

@@ -41,7 +41,6 @@ from spmd.launch import liveness, node_state
 from spmd.launch.coordinator import own_address
 from spmd.launch.env import job_identity
 from spmd.launch.recovery import (
-    ENDS,
     RECORDS_NAME,
     Decision,
     Outcome,
@@ -50,6 +49,7 @@ from spmd.launch.recovery import (
     apply,
     choose_hosts,
     decide,
+    ended_ranks,
     exited_from_launcher,
     failed_nodes_from_launcher,
     killed_from_launcher,
@@ -187,12 +187,11 @@ class Supervisor:
             if aborted or self.signalled is not None:
                 continue
             now = time.monotonic()
+            text = "".join(tail)   # what the launcher said of tasks and nodes so far
+            exited, killed = exited_from_launcher(text), killed_from_launcher(text)
             if self.beats is not None and self.node_timeout_s:
                 self.beats.drain(now)
-                text = "".join(tail)
-                exited, killed = exited_from_launcher(text), killed_from_launcher(text)
-                ended = ({int(e["rank"]) for e in records if e.get("event") in ENDS
-                          and "rank" in e} | exited | set(killed))
+                ended = ended_ranks(records) | exited | set(killed)
                 timeout = liveness.timeout_for(self.node_timeout_s, self.ranks)
                 # a host that fell silent while others beat; or, once the launcher saw every
                 # rank elsewhere end, the hosts it still waits for that stopped beating
@@ -208,8 +207,7 @@ class Supervisor:
                         f"{max(silent.values()):.1f} s (a lost node): ending the try")
                     aborted = self._abort(proc, tail, wait_s=1.0)
                     continue
-            if broken_at is None and (killed_from_launcher(text := "".join(tail))
-                                      or failed_nodes_from_launcher(text)):
+            if broken_at is None and (killed or failed_nodes_from_launcher(text)):
                 broken_at = now
             poll_due, read_due = bool(self.poll_s) and now >= next_poll, now >= next_read
             if poll_due or read_due:   # the try's records so far, read once for both
@@ -230,10 +228,7 @@ class Supervisor:
                     continue
             if read_due:
                 next_read = now + READ_S
-                text = "".join(tail)
-                silent = only_silent_hosts_left(records,
-                                                exited_from_launcher(text),
-                                                killed_from_launcher(text))
+                silent = only_silent_hosts_left(records, exited, killed)
                 silent_since = (silent_since or now) if silent else None
                 if silent and now - silent_since >= self.silent_s:
                     say(f"every rank but those on {', '.join(silent)} ended, and none of "
