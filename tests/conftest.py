@@ -19,11 +19,19 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest  # noqa: E402
 
 import tests.helpers.env  # noqa: F401  (before anything imports jax: 8 CPU devices, one cache)
+from tests.helpers.env import compile_sources
+
+# pytest caches each test module's rewritten bytecode only where Python may write bytecode; on
+# an image with PYTHONDONTWRITEBYTECODE each worker rewrote and compiled every test module
+# again at collection (17 s of CPU per worker against 6 s, 2026-11-30, 2 cores). The test
+# processes write it, as Python does by default; the children only read (compile_sources).
+sys.dont_write_bytecode = False
 
 SLOW_DIRS = ("multiprocess", "slurm", "openmpi", "multinode")
 # apt-get installs, the one local Slurm and the multi-node namespace cluster: one worker
@@ -74,13 +82,18 @@ def pytest_configure(config: pytest.Config) -> None:
     """Refuse a pytest whose node ids pytest-xdist cannot rewrite: `--dist loadgroup` puts a
     test's group in its node id (item._nodeid), which pytest 9.2 no longer reads (it keeps a
     structured id), so the groups split across workers: module fixtures run once per worker
-    and the system tests run side by side. pyproject.toml's dev extra pins pytest < 9.1."""
+    and the system tests run side by side. pyproject.toml's dev extra pins pytest < 9.1.
+
+    Then, in the controller, before the workers start: the repo's bytecode
+    (`compile_sources`)."""
     version = tuple(int(p) for p in pytest.__version__.split(".")[:2] if p.isdigit())
     if config.getoption("dist", "no") == "loadgroup" and version >= (9, 1):
         raise pytest.UsageError(
             f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup (pyproject.toml "
             f"addopts) cannot group tests under pytest >= 9.1; install the dev extra's "
             f"versions: pip install -e '.[local,dev]'")
+    if not hasattr(config, "workerinput"):
+        compile_sources()
 
 
 def _start_rank(item: pytest.Item) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.env import REPO, clean_env
+from tests.helpers.env import REPO, clean_env, compile_sources
 
 README = (REPO / "README.md").read_text()
 
@@ -49,6 +49,7 @@ def main_job(tmp_path_factory) -> MainJob:
     assert install.startswith("pip install -e '.[local"), install  # done by the test runner
     clone = tmp_path_factory.mktemp("main_job") / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    compile_sources(clone)   # as the suite's own sources: each rank and CLI call imports them
     env = clean_env(fast_compile=False, PYTHONPATH=str(clone))  # 200 steps: runs, not compiles
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
     for command in rest:
