@@ -17,6 +17,7 @@ worker. CONTRIBUTING.md says how to run each tier.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -85,7 +86,8 @@ def pytest_configure(config: pytest.Config) -> None:
     and the system tests run side by side. pyproject.toml's dev extra pins pytest < 9.1.
 
     Then, in the controller, before the workers start: the repo's bytecode
-    (`compile_sources`)."""
+    (`compile_sources`); and in each process that collects tests, the garbage collector off
+    until they are collected (`pytest_collection_finish`)."""
     version = tuple(int(p) for p in pytest.__version__.split(".")[:2] if p.isdigit())
     if config.getoption("dist", "no") == "loadgroup" and version >= (9, 1):
         raise pytest.UsageError(
@@ -94,6 +96,18 @@ def pytest_configure(config: pytest.Config) -> None:
             f"versions: pip install -e '.[local,dev]'")
     if not hasattr(config, "workerinput"):
         compile_sources()
+    if hasattr(config, "workerinput") or config.getoption("numprocesses", None) in (None, 0):
+        gc.disable()   # a process that collects the tests: until they are collected
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collecting loaded (JAX, Flax and every test module) and turn the garbage
+    collector back on, as `spmd.cli.main.load_stack` does in each rank: the collector's full
+    passes leave those objects out from then on (collecting went from 13 to 8 s of CPU per
+    worker, 2026-11-30, 2 cores)."""
+    gc.collect()
+    gc.freeze()
+    gc.enable()
 
 
 def _start_rank(item: pytest.Item) -> int:

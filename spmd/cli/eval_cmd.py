@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from spmd.cli.main import JAX_STACK
 from spmd.cli.trained_args import add_overrides_argument, add_trained_run_arguments
+
+# what run() imports, loaded by spmd.cli.main with the garbage collector off (load_stack)
+STACK = (*JAX_STACK, "spmd.inference.evaluation", "spmd.inference.loading")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

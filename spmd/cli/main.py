@@ -1,6 +1,8 @@
 """The `spmd` console script. Each subcommand lives in `spmd.cli.<name>_cmd`.
 
-A subcommand module provides `register(subparsers)` and `run(args) -> int`.
+A subcommand module provides `register(subparsers)` and `run(args) -> int`, and, when its
+run() imports JAX, `STACK`: the modules run() imports first. main() loads them with Python's
+cyclic garbage collector off, then freezes what is loaded (`load_stack`).
 Errors that a user can fix (SpmdError, ShardingError) print one message and exit
 non-zero; the traceback goes to stderr only with --debug. `spmd --version` names this
 package's version and those of JAX and Flax it runs with.
@@ -9,6 +11,7 @@ package's version and those of JAX and Flax it runs with.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.metadata
 import logging
@@ -52,8 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    liveness.start_from_env()   # a rank under the recovery supervisor beats from now on
+# What every command that runs JAX imports: part of each such command's STACK.
+JAX_STACK = ("jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint")
+
+
+def load_stack(command: str) -> None:
+    """Import `command`'s STACK, the modules its run() imports first. main() calls it with the
+    cyclic garbage collector off, and freezes what is loaded before it turns the collector
+    back on.
+
+    Why: JAX, Flax, Optax, Orbax and spmd load hundreds of thousands of long-lived objects,
+    and the collector walked all of them at each of its full passes, while they loaded and
+    then through tracing and compiling; frozen, they are left out. A small rank's CPU from
+    start to end went from 3.8-4.0 to 2.8-3.3 s (2026-11-30, 2 cores, `spmd train
+    configs/mlp_tiny.yaml`, 3 runs each; the collector off while importing, but nothing
+    frozen: 3.5-3.9 s). Every rank of a job, and each new try of a recovery, pays it. An
+    import that fails is left to run(), which reports it where it belongs."""
+    for name in getattr(importlib.import_module(f"spmd.cli.{command}_cmd"), "STACK", ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, `key=value` overrides included; exits with usage on an error."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `key=value` overrides may follow options (`spmd shardings C --json mesh.strategy=tp`).
@@ -62,6 +88,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    liveness.start_from_env()   # a rank under the recovery supervisor beats from now on
+    gc.disable()                # while the command's modules load (load_stack)
+    try:
+        args = parse(argv)
+        load_stack(args.command)
+    finally:
+        gc.collect()            # one full pass, so that no garbage is frozen
+        gc.freeze()
+        gc.enable()
     try:
         code = args.func(args)
     except SpmdError as e:

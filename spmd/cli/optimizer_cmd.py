@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
+# what run() imports, loaded by spmd.cli.main with the garbage collector off (load_stack)
+STACK = ("jax", "jax.numpy", "flax.nnx", "optax", "spmd.config.load", "spmd.engine.state")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("optimizer", help="print the optimizer, the learning rate over the "

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
+# what run() imports, loaded by spmd.cli.main with the garbage collector off (load_stack)
+STACK = ("jax", "jax.numpy", "flax.nnx", "spmd.aot.plan", "spmd.config.load")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="compile ahead of time: per-device memory, FLOPs, "

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
+# what run() imports, loaded by spmd.cli.main with the garbage collector off (load_stack)
+STACK = ("jax", "jax.numpy", "flax.nnx", "spmd.config.load", "spmd.engine.state")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("shardings", help="print where every parameter lives, without training")

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from spmd.cli.main import JAX_STACK
+
+# what run() imports, loaded by spmd.cli.main with the garbage collector off (load_stack)
+STACK = (*JAX_STACK, "spmd.api", "spmd.config.load", "spmd.loop.trainer")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train (one rank; run under srun/jsrun/mpiexec or `spmd run`)")
