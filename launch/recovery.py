@@ -184,8 +184,20 @@ def only_silent_hosts_left(records: list[dict], exited: set[int],
     return silent if others and all(r in accounted for r in others) else []
 
 
-def read_records(run_dir: Path, since: float) -> list[dict]:
-    """events.jsonl records written at or after `since` (a cut-short line is skipped)."""
+def of_try(record: object, since: float, attempt: int | None) -> bool:
+    """Whether an events.jsonl record belongs to the try that started at `since`: written at
+    or after it and, where the rank named its try (`attempt`, from SPMD_RECOVERY_ATTEMPT),
+    by a rank of that try. A rank of the try before that ends late (a task the launcher had
+    not killed yet when the next try started) writes after `since` too, and its failure is
+    not the new try's."""
+    if not isinstance(record, dict) or float(record.get("time", 0)) < since:
+        return False
+    return attempt is None or record.get("attempt", attempt) == attempt
+
+
+def read_records(run_dir: Path, since: float, attempt: int | None = None) -> list[dict]:
+    """events.jsonl records of the try that started at `since` (`of_try`; a cut-short line
+    is skipped)."""
     path = Path(run_dir) / "events.jsonl"
     out: list[dict] = []
     if not path.is_file():
@@ -196,7 +208,7 @@ def read_records(run_dir: Path, since: float) -> list[dict]:
                 e = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(e, dict) and float(e.get("time", 0)) >= since:
+            if of_try(e, since, attempt):
                 out.append(e)
     return out
 

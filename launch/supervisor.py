@@ -53,6 +53,7 @@ from spmd.launch.recovery import (
     exited_from_launcher,
     failed_nodes_from_launcher,
     killed_from_launcher,
+    of_try,
     only_silent_hosts_left,
     read_records,
 )
@@ -72,8 +73,8 @@ SILENT_S = ENDING_S   # every rank off some hosts ended and none of theirs said 
 class _Follow:
     """The records appended to events.jsonl since a time, read incrementally."""
 
-    def __init__(self, path: Path, since: float):
-        self.path, self.since, self.offset, self.rest = path, since, 0, b""
+    def __init__(self, path: Path, since: float, attempt: int | None = None):
+        self.path, self.since, self.attempt, self.offset, self.rest = path, since, attempt, 0, b""
 
     def new(self) -> list[dict]:
         try:
@@ -91,7 +92,7 @@ class _Follow:
                 e = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(e, dict) and float(e.get("time", 0)) >= self.since:
+            if of_try(e, self.since, self.attempt):
                 out.append(e)
         return out
 
@@ -158,11 +159,12 @@ class Supervisor:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        status = self._watch(self.proc, tail, started)
+        status = self._watch(self.proc, tail, started, attempt)
         reader.join(5.0)
         return (128 - status if status < 0 else status), "".join(tail)
 
-    def _watch(self, proc: subprocess.Popen, tail: deque[str], started: float) -> int:
+    def _watch(self, proc: subprocess.Popen, tail: deque[str], started: float,
+               attempt: int | None = None) -> int:
         """Wait for the try; end it when it is broken but its ranks have not noticed: a rank
         the launcher reports dead by a signal while the others still run `grace_s` later (a
         peer on another host may wait for the heartbeat timeout), or a host the try's ranks
@@ -176,7 +178,7 @@ class Supervisor:
         next_poll = time.monotonic() + self.poll_s
         aborted = False
         announced_at: float | None = None
-        events = _Follow(self.run_dir / "events.jsonl", started)
+        events = _Follow(self.run_dir / "events.jsonl", started, attempt)
         records: list[dict] = []   # the try's records so far
         next_read = time.monotonic() + READ_S
         while True:
@@ -332,7 +334,8 @@ class Supervisor:
                 return 0
             down = (node_state.down_hosts(self.scheduler, plan.hosts)
                     if plan.hosts and self.signalled is None else [])
-            outcome = Outcome(status=status, records=read_records(self.run_dir, started),
+            outcome = Outcome(status=status,
+                              records=read_records(self.run_dir, started, attempt),
                               killed_ranks=killed_from_launcher(before),
                               reported_ranks=set(killed_from_launcher(stderr)),
                               exited_ranks=exited_from_launcher(stderr),

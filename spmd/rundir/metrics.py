@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.atomic_write import write_atomic
+from spmd.launch.liveness import ATTEMPT_VAR
 from spmd.rundir.console import (
     ConsoleFilter,
     ConsoleFormatter,
@@ -106,6 +107,10 @@ class EventLog(JsonlWriter):
         super().__init__(path, enabled)
         self.rank = rank
         self.narrate = Narrator() if rank == 0 else None
+        # under the recovery supervisor: the try this rank belongs to, in every record, so
+        # that a late record of an ended try is not read as the next try's (launch.recovery)
+        attempt = os.environ.get(ATTEMPT_VAR, "")
+        self.attempt = {"attempt": int(attempt)} if attempt.isdigit() else {}
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write an event, log its `key=value` line (the rank log; the console only with
@@ -119,7 +124,7 @@ class EventLog(JsonlWriter):
     def record(self, event: str, **fields: Any) -> None:
         """Write an event without logging it (when the log or the CLI says it already)."""
         self.write({"event": event, "time": time.time(), "rank": self.rank,
-                    "host": socket.gethostname(), **fields})
+                    "host": socket.gethostname(), **self.attempt, **fields})
 
 
 def replayed_path(path: Path) -> Path:

@@ -716,3 +716,32 @@ def test_deaths_the_supervisor_caused_do_not_turn_an_error_into_a_lost_rank(bind
     assert code == 1 and len(calls(tmp_path, "srun")) == 1, err
     decision = records(run_dir)[1]
     assert (decision["kind"], decision["action"], decision["exclude"]) == ("error", "stop", [])
+
+
+def test_a_late_record_of_the_ended_try_is_not_the_next_try_s(tmp_path, monkeypatch):
+    """Seen in recovery_bench (2026-11-30): a rank of try 0 that the launcher had not killed
+    yet wrote its `failed` record 4 s after try 1 started, and try 1 was ended for it as a
+    user error, the job with it. Each rank's records name its try (SPMD_RECOVERY_ATTEMPT);
+    the supervisor reads only the current try's."""
+    from spmd.launch.liveness import ATTEMPT_VAR
+    from spmd.launch.recovery import read_records
+    from spmd.rundir.metrics import EventLog
+
+    path = tmp_path / "events.jsonl"
+    for attempt, event in ((0, "started"), (1, "started"), (0, "failed"), (1, "saved")):
+        monkeypatch.setenv(ATTEMPT_VAR, str(attempt))
+        log = EventLog(path, rank=1)
+        log.record(event, step=3)
+        log.close()
+    monkeypatch.delenv(ATTEMPT_VAR)
+    unsupervised = EventLog(path, rank=0)          # a run without the supervisor: no try
+    unsupervised.record("saved", step=4)
+    unsupervised.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("attempt") for r in records] == [0, 1, 0, 1, None]
+    since = records[0]["time"]
+    assert [(r["event"], r.get("attempt")) for r in read_records(tmp_path, since, 1)] == [
+        ("started", 1), ("saved", 1), ("saved", None)]
+    assert len(read_records(tmp_path, since)) == 5            # no try named: every record
+    assert [r["event"] for r in read_records(tmp_path, since, 0)] == ["started", "failed",
+                                                                      "saved"]
