@@ -149,6 +149,13 @@ def _beat_forever(host: str, port: int, message: str, beat_s: float, parent: int
 _beacon: list[Beacon] = []
 
 
+def attempt_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The try this rank belongs to (SPMD_RECOVERY_ATTEMPT, set by the supervisor); None
+    outside the supervisor. ValueError: the variable is not a whole number."""
+    text = (os.environ if environ is None else environ).get(ATTEMPT_VAR, "")
+    return int(text) if text else None
+
+
 def start_from_env(environ: Mapping[str, str] | None = None) -> Beacon | None:
     """Start this rank's beacon when the supervisor asked for beats (SPMD_BEAT_ADDR); once
     per process. A malformed address is ignored: the supervisor then sees the try as before,
@@ -160,7 +167,7 @@ def start_from_env(environ: Mapping[str, str] | None = None) -> Beacon | None:
     host, _, port = text.rpartition(":")
     try:
         addr = (socket.gethostbyname(host), int(port))
-        attempt = int(environ.get(ATTEMPT_VAR, "0") or 0)
+        attempt = attempt_from_env(environ) or 0
         rank, ranks = launcher_rank(environ) or (None, 1)
         beacon = Beacon(addr, rank, attempt, beat_interval(ranks)).start()
     except (OSError, ValueError):

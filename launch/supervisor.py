@@ -71,9 +71,9 @@ SILENT_S = ENDING_S   # every rank off some hosts ended and none of theirs said 
 
 
 class _Follow:
-    """The records appended to events.jsonl since a time, read incrementally."""
+    """The records of one try (`of_try`) appended to events.jsonl, read incrementally."""
 
-    def __init__(self, path: Path, since: float, attempt: int | None = None):
+    def __init__(self, path: Path, since: float, attempt: int):
         self.path, self.since, self.attempt, self.offset, self.rest = path, since, attempt, 0, b""
 
     def new(self) -> list[dict]:
@@ -164,7 +164,7 @@ class Supervisor:
         return (128 - status if status < 0 else status), "".join(tail)
 
     def _watch(self, proc: subprocess.Popen, tail: deque[str], started: float,
-               attempt: int | None = None) -> int:
+               attempt: int) -> int:
         """Wait for the try; end it when it is broken but its ranks have not noticed: a rank
         the launcher reports dead by a signal while the others still run `grace_s` later (a
         peer on another host may wait for the heartbeat timeout), or a host the try's ranks

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.atomic_write import write_atomic
-from spmd.launch.liveness import ATTEMPT_VAR
+from spmd.launch.liveness import attempt_from_env
 from spmd.rundir.console import (
     ConsoleFilter,
     ConsoleFormatter,
@@ -109,8 +109,11 @@ class EventLog(JsonlWriter):
         self.narrate = Narrator() if rank == 0 else None
         # under the recovery supervisor: the try this rank belongs to, in every record, so
         # that a late record of an ended try is not read as the next try's (launch.recovery)
-        attempt = os.environ.get(ATTEMPT_VAR, "")
-        self.attempt = {"attempt": int(attempt)} if attempt.isdigit() else {}
+        try:
+            attempt = attempt_from_env()
+        except ValueError:
+            attempt = None
+        self.attempt = {} if attempt is None else {"attempt": attempt}
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write an event, log its `key=value` line (the rank log; the console only with
