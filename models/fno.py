@@ -69,24 +69,33 @@ class SpectralConv2d(nnx.Module):
 
     def __call__(self, h: jax.Array) -> jax.Array:  # h: (batch, x, y, channels), real
         _, gx, gy, _ = h.shape
-        fx, fy, ix, iy = dft_matrices(gx, gy, self.modes)
+        m = self.modes
+        fy, fx, ix, iy = dft_matrices(gx, gy, m)
         w = jax.lax.complex(self.weight_real[...].astype(jnp.float32),
                             self.weight_imag[...].astype(jnp.float32))
         w = jnp.concatenate([w[0], w[1]], axis=2)                # (in, out, 2m, m): both x halves
         h = h.astype(jnp.float32)
+        # The field is real, so y -> ky is one real product giving the real and the imaginary
+        # parts side by side (half the work of a complex product), and so is ky -> y, which
+        # keeps only the real part.
         h_ft = jnp.einsum("bxyc,ky->bxkc", h, fy)                 # y -> ky (rfft, kept modes)
+        h_ft = jax.lax.complex(h_ft[:, :, :m], h_ft[:, :, m:])
         h_ft = jnp.einsum("bxkc,jx->bjkc", h_ft, fx)              # x -> kx (both halves)
         out_ft = jnp.einsum("bjki,iojk->bjko", h_ft, w)           # channel mixing per mode
         out = jnp.einsum("bjko,xj->bxko", out_ft, ix)             # kx -> x
-        return jnp.einsum("bxko,yk->bxyo", out, iy).real          # ky -> y (Hermitian sum)
+        out = jnp.concatenate([out.real, out.imag], axis=2)
+        return jnp.einsum("bxko,yk->bxyo", out, iy)               # ky -> y (Hermitian sum)
 
 
-def dft_matrices(gx: int, gy: int, modes: int):
-    """Forward/inverse DFT matrices restricted to the kept modes, as constants.
+def dft_matrices(gx: int, gy: int, modes: int) -> tuple[jax.Array, ...]:
+    """(fy, fx, ix, iy): the DFT matrices restricted to the kept modes, as constants.
 
-    Forward: kx in [0, m) and [gx - m, gx), ky in [0, m). The inverse over y carries the
-    Hermitian weights of an inverse real FFT (1 for ky = 0 and Nyquist, 2 otherwise) and
-    the 1/(gx*gy) normalization, so the result equals irfft2 of the zero-padded spectrum.
+    fx (2m, gx, complex) keeps kx in [0, m) and [gx - m, gx), ix (gx, 2m) is its inverse.
+    Over y, whose input and output are real, the matrices are real: fy (2m, gy) stacks the
+    real part of the forward transform for ky in [0, m) above its imaginary part, and iy
+    (gy, 2m) holds the real and the negated imaginary part of the inverse, which carries the
+    Hermitian weights of an inverse real FFT (1 for ky = 0 and Nyquist, 2 otherwise). With
+    the 1/(gx*gy) normalization the result equals irfft2 of the zero-padded spectrum.
     """
     kx = np.concatenate([np.arange(modes), np.arange(gx - modes, gx)])
     ky = np.arange(modes)
@@ -96,7 +105,10 @@ def dft_matrices(gx: int, gy: int, modes: int):
     hermitian = np.where((ky == 0) | (2 * ky == gy), 1.0, 2.0)
     ix = np.conj(fx).T / gx                                       # (gx, 2m)
     iy = (np.conj(fy) * hermitian[:, None]).T / gy                # (gy, m)
-    return tuple(jnp.asarray(a, jnp.complex64) for a in (fx, fy, ix, iy))
+    fy_real = np.concatenate([fy.real, fy.imag], axis=0)          # (2m, gy)
+    iy_real = np.concatenate([iy.real, -iy.imag], axis=1)         # (gy, 2m)
+    return (jnp.asarray(fy_real, jnp.float32), jnp.asarray(fx, jnp.complex64),
+            jnp.asarray(ix, jnp.complex64), jnp.asarray(iy_real, jnp.float32))
 
 
 class FourierLayer(nnx.Module):
