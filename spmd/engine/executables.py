@@ -22,7 +22,13 @@ Invariants
   store, and the log says why (one WARNING line, rank and path).
 - Files are written whole (spmd.atomic_write, a temporary sibling then a rename), never
   fsynced: a lost file costs one compile. Rank 0 removes the other keys' folders once it
-  has written its own, so the store holds one layout's executables.
+  has written its own, so the run's store holds one layout's executables.
+- Where JAX's persistent cache is on (run.compilation_cache or JAX_COMPILATION_CACHE_DIR, a
+  local or mounted path), the ranks JAX's cache does not serve also keep their executables
+  in its `spmd-executables` folder (`shared_store`), looked up after the run's own store:
+  another run of the same program on the same devices (a sweep, a job in a new run.dir)
+  loads them there, as JAX's cache serves rank 0. That folder keeps every layout, as JAX's
+  cache does, and is emptied with it.
 """
 
 from __future__ import annotations
@@ -80,11 +86,32 @@ def jax_cache_serves_this_process() -> bool:
     return jax.default_backend() != "cpu" or jax.process_index() == 0
 
 
+SHARED_FOLDER = "spmd-executables"
+
+
+def shared_store() -> Path | None:
+    """`<JAX's persistent cache dir>/spmd-executables` where that cache is on and its dir is
+    a path (not a URL such as gs://); else None."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    return shared_store_in(jax.config.jax_compilation_cache_dir)
+
+
+def shared_store_in(cache_dir: str | None) -> Path | None:
+    """The shared store in JAX's persistent cache dir `cache_dir`; None for none or a URL."""
+    if not cache_dir or "://" in str(cache_dir):
+        return None
+    return Path(cache_dir) / SHARED_FOLDER
+
+
 def compile_or_load(lowered: Any, store: Path | None, rank: int,
-                    jax_cache_serves: bool | None = None) -> tuple[Any, str]:
-    """`lowered` compiled, or loaded from `store` (None: always compiled); and how: "loaded"
-    or "compiled". `jax_cache_serves` (default: `jax_cache_serves_this_process()`) leaves
-    the store out where JAX's cache already serves this process."""
+                    jax_cache_serves: bool | None = None,
+                    shared: Path | None = None) -> tuple[Any, str]:
+    """`lowered` compiled, or loaded from `store` or else from `shared` (None: always
+    compiled, however `shared` is set); and how: "loaded" or "compiled". A compiled
+    executable is kept in both. `jax_cache_serves` (default:
+    `jax_cache_serves_this_process()`) leaves the stores out where JAX's cache already serves
+    this process. `shared`: `shared_store()`, kept across runs (module doc)."""
     if jax_cache_serves is None:
         jax_cache_serves = jax_cache_serves_this_process()
     if store is None or jax_cache_serves:
@@ -95,25 +122,33 @@ def compile_or_load(lowered: Any, store: Path | None, rank: int,
     from jax.experimental import serialize_executable
 
     key = executable_key(lowered, text)
-    path = store / key / f"rank{rank:05d}.bin"
-    if path.exists():
-        try:
-            compiled = serialize_executable.deserialize_and_load(
-                path.read_bytes(), lowered.in_tree, lowered.out_tree)
-            return compiled, "loaded"
-        except Exception as e:  # noqa: BLE001 - a lost cache entry costs a compile
-            log.warning("rank %d: the kept executable %s did not load (%s: %s); compiling "
-                        "the step again", rank, path, type(e).__name__, e)
+    places = [store] + ([shared] if shared is not None and shared != store else [])
+    paths = [place / key / f"rank{rank:05d}.bin" for place in places]
+    for path in paths:
+        if path.exists():
+            try:
+                compiled = serialize_executable.deserialize_and_load(
+                    path.read_bytes(), lowered.in_tree, lowered.out_tree)
+                return compiled, "loaded"
+            except Exception as e:  # noqa: BLE001 - a lost cache entry costs a compile
+                log.warning("rank %d: the kept executable %s did not load (%s: %s); "
+                            "compiling the step again", rank, path, type(e).__name__, e)
     compiled = lowered.compile()
     try:
         payload, _, _ = serialize_executable.serialize(compiled)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, payload, durable=False)
-        if rank == 0:
-            _remove_other_keys(store, key)
     except Exception as e:  # noqa: BLE001 - the run trains on; the next try compiles
-        log.warning("rank %d: could not keep the compiled step in %s (%s: %s)", rank, path,
+        log.warning("rank %d: could not serialize the compiled step (%s: %s)", rank,
                     type(e).__name__, e)
+        return compiled, "compiled"
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, payload, durable=False)
+        except Exception as e:  # noqa: BLE001 - the run trains on; the next try compiles
+            log.warning("rank %d: could not keep the compiled step in %s (%s: %s)", rank,
+                        path, type(e).__name__, e)
+    if rank == 0 and paths[0].exists():
+        _remove_other_keys(store, key)
     return compiled, "compiled"
 
 

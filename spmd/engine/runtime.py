@@ -109,16 +109,16 @@ class Runtime:
         compiled, seconds, _ = self.load_or_compile_train_step(None, 0)
         return compiled, seconds
 
-    def load_or_compile_train_step(self, store: Path | None,
-                                   rank: int) -> tuple[Callable, float, str]:
+    def load_or_compile_train_step(self, store: Path | None, rank: int,
+                                   shared: Path | None = None) -> tuple[Callable, float, str]:
         """`compile_train_step`, but with a `store` (run.keep_executables) this rank's
-        executable is loaded from it when it holds one of this very program and devices,
-        and kept there otherwise (spmd.engine.executables): (executable, seconds, "loaded"
-        or "compiled")."""
+        executable is loaded from it, or from `shared` (spmd.engine.executables.shared_store),
+        when it holds one of this very program and devices, and kept there otherwise
+        (spmd.engine.executables): (executable, seconds, "loaded" or "compiled")."""
         start = time.perf_counter()
         lowered = self.train_step.lower(self.state.abstract, self.abstract_batch())
         with framed("compile", type(self.task).__name__):   # an exception from XLA: framed
-            compiled, how = compile_or_load(lowered, store, rank)
+            compiled, how = compile_or_load(lowered, store, rank, shared=shared)
         return compiled, time.perf_counter() - start, how
 
     def eval_params(self, state: TrainState) -> dict:

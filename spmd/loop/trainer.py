@@ -36,6 +36,7 @@ from spmd.comm.prepare_wait import prepare_on_rank0
 from spmd.config.load import build_task
 from spmd.config.schema import Config
 from spmd.data.stats.run_inputs import check_run_inputs
+from spmd.engine.executables import shared_store
 from spmd.engine.mesh import build_mesh
 from spmd.engine.runtime import CheckedRules, Runtime, build_runtime, check_rules
 from spmd.errors import ExitCode
@@ -282,7 +283,8 @@ class Trainer:
                 hook.start(info)
             self._phase("the compilation")
             store = run_dir / "executables" if cfg.run.keep_executables else None
-            compiled, seconds, how = rt.load_or_compile_train_step(store, env.rank)
+            compiled, seconds, how = rt.load_or_compile_train_step(store, env.rank,
+                                                                   shared_store())
             events.emit("compiled", seconds=round(seconds, 3), how=how)
             if self._early is not None:  # training starts: a signal now is the vote's
                 self._early.disarm()

@@ -5,6 +5,8 @@ does not load costs a compile, not the run."""
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +15,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.engine.executables import (
+    SHARED_FOLDER,
     compile_or_load,
     executable_key,
     jax_cache_serves_this_process,
+    shared_store,
+    shared_store_in,
 )
 
 
@@ -49,6 +54,37 @@ def test_another_program_gets_its_own_key_and_rank_0_keeps_only_its_layout(tmp_p
     _, how = compile_or_load(other, tmp_path, rank=0, jax_cache_serves=False)
     assert how == "compiled"
     assert [p.name for p in tmp_path.iterdir()] == [executable_key(other)]
+
+
+def test_another_run_of_the_same_program_loads_it_from_the_shared_store(tmp_path):
+    """A rank JAX's cache does not serve (CPU process 3) keeps its step in the run's store
+    and in the shared one; a run in another run.dir loads it from the shared one, computing
+    the same bits. The shared store keeps every layout, even when rank 0 writes another."""
+    shared = tmp_path / "jax-cache" / SHARED_FOLDER
+    lowered, x = lowered_step(scale=5.0)     # a program the test process's JAX cache lacks
+    first, how = compile_or_load(lowered, tmp_path / "run1", rank=3, jax_cache_serves=False,
+                                 shared=shared)
+    assert how == "compiled"
+    key = executable_key(lowered)
+    assert (tmp_path / "run1" / key / "rank00003.bin").is_file()
+    assert (shared / key / "rank00003.bin").is_file()
+    again, how = compile_or_load(lowered_step(scale=5.0)[0], tmp_path / "run2", rank=3,
+                                 jax_cache_serves=False, shared=shared)
+    assert how == "loaded"
+    for a, b in zip(first(x), again(x)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other, _ = lowered_step(scale=6.0)
+    compile_or_load(other, tmp_path / "run2", rank=0, jax_cache_serves=False, shared=shared)
+    assert sorted(p.name for p in shared.iterdir()) == sorted([key, executable_key(other)])
+    assert [p.name for p in (tmp_path / "run2").iterdir()] == [executable_key(other)]
+
+
+def test_the_shared_store_is_in_jax_s_cache_dir_and_only_at_a_path(tmp_path):
+    """The tests' processes have JAX's persistent cache on (tests.helpers.env)."""
+    assert shared_store() == Path(os.environ["JAX_COMPILATION_CACHE_DIR"]) / SHARED_FOLDER
+    assert shared_store_in(str(tmp_path)) == tmp_path / SHARED_FOLDER
+    assert shared_store_in("gs://bucket/cache") is None
+    assert shared_store_in(None) is None and shared_store_in("") is None
 
 
 def test_a_damaged_file_is_compiled_again_with_a_warning_naming_rank_and_path(tmp_path,
