@@ -258,7 +258,8 @@ def main_job_part(smoke: bool, out: Path, limit_s: float) -> dict:
             "run.plots=false"]
     if smoke:
         keys += ["train.steps=4", "train.eval_every=4", "run.log_every=1",
-                 "data.num_train=32", "data.num_test=16", "data.eval_batches=1"]
+                 "data.num_train=32", "data.num_test=16", "data.eval_batches=1",
+                 "model.width=8", "model.modes=4", "model.projection=16"]
     code, text = run_child(spmd_argv("train", str(REPO / "configs" / "fno_darcy.yaml"), *keys),
                            limit_s, out / "main_job.log")
     if code != 0:
