@@ -28,7 +28,9 @@ Invariants
   in its `spmd-executables` folder (`shared_store`), looked up after the run's own store:
   another run of the same program on the same devices (a sweep, a job in a new run.dir)
   loads them there, as JAX's cache serves rank 0. That folder keeps every layout, as JAX's
-  cache does, and is emptied with it.
+  cache does, and is emptied with it. The initializer goes there too (never to the run's
+  store, which holds the train step: a resumed job restores, it does not initialize); the
+  key holds the compiler options a program is compiled with.
 """
 
 from __future__ import annotations
@@ -47,16 +49,19 @@ from spmd.atomic_write import write_atomic
 log = logging.getLogger(__name__)
 
 
-def executable_key(lowered: Any, text: str | None = None) -> str:
+def executable_key(lowered: Any, text: str | None = None,
+                   compiler_options: dict[str, Any] | None = None) -> str:
     """The digest that names `lowered`'s executables (module doc); `text`: its `as_text()`,
-    when the caller has it already (a large program's text takes time to render)."""
+    when the caller has it already (a large program's text takes time to render);
+    `compiler_options`: those it is compiled with."""
     import jaxlib
 
     h = hashlib.sha256()
     backend = jax.devices()[0].client
     for part in (lowered.as_text() if text is None else text, jax.__version__, jaxlib.__version__,
                  backend.platform, backend.platform_version, os.environ.get("XLA_FLAGS", ""),
-                 ",".join(f"{d.id}:{d.process_index}:{d.device_kind}" for d in jax.devices())):
+                 ",".join(f"{d.id}:{d.process_index}:{d.device_kind}" for d in jax.devices()),
+                 repr(sorted((compiler_options or {}).items()))):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
@@ -105,24 +110,26 @@ def shared_store_in(cache_dir: str | None) -> Path | None:
 
 
 def compile_or_load(lowered: Any, store: Path | None, rank: int,
-                    jax_cache_serves: bool | None = None,
-                    shared: Path | None = None) -> tuple[Any, str]:
-    """`lowered` compiled, or loaded from `store` or else from `shared` (None: always
-    compiled, however `shared` is set); and how: "loaded" or "compiled". A compiled
-    executable is kept in both. `jax_cache_serves` (default:
-    `jax_cache_serves_this_process()`) leaves the stores out where JAX's cache already serves
-    this process. `shared`: `shared_store()`, kept across runs (module doc)."""
+                    jax_cache_serves: bool | None = None, shared: Path | None = None,
+                    compiler_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """`lowered` compiled (with `compiler_options`), or loaded from `store` or else from
+    `shared`; and how: "loaded" or "compiled". A compiled executable is kept in both; with
+    neither, it is always compiled. `store`: the run's (run.keep_executables), one layout,
+    pruned by rank 0; `shared`: `shared_store()`, kept across runs (module doc).
+    `jax_cache_serves` (default: `jax_cache_serves_this_process()`) leaves both out where
+    JAX's cache already serves this process."""
     if jax_cache_serves is None:
         jax_cache_serves = jax_cache_serves_this_process()
-    if store is None or jax_cache_serves:
-        return lowered.compile(), "compiled"
+    places = [p for i, p in enumerate((store, shared)) if p is not None and p not in
+              (store, shared)[:i]]
+    if not places or jax_cache_serves:
+        return lowered.compile(compiler_options=compiler_options), "compiled"
     text = lowered.as_text()
     if calls_back_into_python(lowered, text):
-        return lowered.compile(), "compiled"
+        return lowered.compile(compiler_options=compiler_options), "compiled"
     from jax.experimental import serialize_executable
 
-    key = executable_key(lowered, text)
-    places = [store] + ([shared] if shared is not None and shared != store else [])
+    key = executable_key(lowered, text, compiler_options)
     paths = [place / key / f"rank{rank:05d}.bin" for place in places]
     for path in paths:
         if path.exists():
@@ -132,12 +139,12 @@ def compile_or_load(lowered: Any, store: Path | None, rank: int,
                 return compiled, "loaded"
             except Exception as e:  # noqa: BLE001 - a lost cache entry costs a compile
                 log.warning("rank %d: the kept executable %s did not load (%s: %s); "
-                            "compiling the step again", rank, path, type(e).__name__, e)
-    compiled = lowered.compile()
+                            "compiling it again", rank, path, type(e).__name__, e)
+    compiled = lowered.compile(compiler_options=compiler_options)
     try:
         payload, _, _ = serialize_executable.serialize(compiled)
     except Exception as e:  # noqa: BLE001 - the run trains on; the next try compiles
-        log.warning("rank %d: could not serialize the compiled step (%s: %s)", rank,
+        log.warning("rank %d: could not serialize the compiled program (%s: %s)", rank,
                     type(e).__name__, e)
         return compiled, "compiled"
     for path in paths:
@@ -145,9 +152,9 @@ def compile_or_load(lowered: Any, store: Path | None, rank: int,
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, payload, durable=False)
         except Exception as e:  # noqa: BLE001 - the run trains on; the next try compiles
-            log.warning("rank %d: could not keep the compiled step in %s (%s: %s)", rank,
+            log.warning("rank %d: could not keep the compiled program in %s (%s: %s)", rank,
                         path, type(e).__name__, e)
-    if rank == 0 and paths[0].exists():
+    if rank == 0 and store is not None and (store / key / f"rank{rank:05d}.bin").exists():
         _remove_other_keys(store, key)
     return compiled, "compiled"
 

@@ -29,6 +29,7 @@ import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import flax.struct
@@ -40,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd.engine import model_errors
 from spmd.engine.engine_config import EngineSections
+from spmd.engine.executables import compile_or_load
 from spmd.engine.mesh import is_explicit, mesh_context
 from spmd.errors import ConfigError, SpmdError
 from spmd.optim import build_optimizer, build_schedule, decay_mask, with_clipping
@@ -356,12 +358,16 @@ def init_state_fn(task: Task, seed: int, tx: optax.GradientTransformation,
 
     jitted = jax.jit(init, out_shardings=layout.shardings)
 
-    @functools.cache   # compiled on the first call, kept for more
-    def compiled() -> Callable[[], TrainState]:
-        return jitted.lower().compile(compiler_options=run_once_options())
+    @functools.cache   # compiled (or loaded) on the first call, kept for more
+    def compiled(shared: Path | None) -> Callable[[], TrainState]:
+        executable, _ = compile_or_load(jitted.lower(), None, jax.process_index(),
+                                        shared=shared, compiler_options=run_once_options())
+        return executable
 
-    def init_once() -> TrainState:
-        return compiled()()
+    def init_once(shared: Path | None = None) -> TrainState:
+        """The initial state; `shared`: spmd.engine.executables.shared_store(), where this
+        rank's compiled initializer is loaded from or kept (None: compiled)."""
+        return compiled(shared)()
 
     init_once.jitted = jitted   # compiled with XLA's defaults when called (a test compares)
     return init_once

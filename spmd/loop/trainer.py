@@ -259,7 +259,7 @@ class Trainer:
                         **{k: round(v, 4) for k, v in restored.timings.items()},
                         seconds=round(time.perf_counter() - began, 4))
         else:
-            state, start = rt.init(), 0
+            state, start = rt.init(shared_store() if cfg.run.keep_executables else None), 0
             events.emit("initialized", step=0, seconds=round(time.perf_counter() - began, 4))
         if restored is not None and start >= cfg.train.steps:  # a rerun of a finished run
             return self._already_finished(start, is_main, events, checkpointer)
@@ -283,8 +283,8 @@ class Trainer:
                 hook.start(info)
             self._phase("the compilation")
             store = run_dir / "executables" if cfg.run.keep_executables else None
-            compiled, seconds, how = rt.load_or_compile_train_step(store, env.rank,
-                                                                   shared_store())
+            compiled, seconds, how = rt.load_or_compile_train_step(
+                store, env.rank, shared_store() if store is not None else None)
             events.emit("compiled", seconds=round(seconds, 3), how=how)
             if self._early is not None:  # training starts: a signal now is the vote's
                 self._early.disarm()

@@ -61,8 +61,8 @@ class RunConfig(BaseModel):
         "(jax.experimental.serialize_executable, keyed by the program, the devices, the "
         "versions and XLA_FLAGS), so a new try or a resumed job on the same layout loads it "
         "instead of compiling (JAX's own cache serves only process 0 on CPU); with JAX's "
-        "persistent cache on, also in its spmd-executables folder, so another run of the same "
-        "program loads it there. false: compile every time.")
+        "persistent cache on, also in its spmd-executables folder with the initializer, so "
+        "another run of the same program loads them there. false: compile every time.")
     profile: ProfileConfig = ProfileConfig()
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list, description="Where rank 0 also sends every metrics.jsonl scalar "

@@ -79,6 +79,23 @@ def test_another_run_of_the_same_program_loads_it_from_the_shared_store(tmp_path
     assert [p.name for p in (tmp_path / "run2").iterdir()] == [executable_key(other)]
 
 
+def test_the_compiler_options_are_in_the_key_and_a_shared_store_alone_serves(tmp_path):
+    """The initializer's way: no run store, the shared one only, compiled at LLVM level 1."""
+    level_1 = {"xla_backend_optimization_level": 1}
+    lowered, x = lowered_step(scale=7.0)
+    assert executable_key(lowered, compiler_options=level_1) != executable_key(lowered)
+    first, how = compile_or_load(lowered, None, rank=1, jax_cache_serves=False,
+                                 shared=tmp_path, compiler_options=level_1)
+    assert how == "compiled"
+    assert [p.name for p in tmp_path.iterdir()] == [executable_key(lowered,
+                                                                   compiler_options=level_1)]
+    again, how = compile_or_load(lowered_step(scale=7.0)[0], None, rank=1,
+                                 jax_cache_serves=False, shared=tmp_path,
+                                 compiler_options=level_1)
+    assert how == "loaded"
+    assert float(again(x)[1]) == float(first(x)[1])
+
+
 def test_the_shared_store_is_in_jax_s_cache_dir_and_only_at_a_path(tmp_path):
     """The tests' processes have JAX's persistent cache on (tests.helpers.env)."""
     assert shared_store() == Path(os.environ["JAX_COMPILATION_CACHE_DIR"]) / SHARED_FOLDER
