@@ -43,6 +43,13 @@ class LaunchConfig(BaseModel):
         30.0, ge=0, description="`spmd run` on SIGTERM/SIGINT: ranks still running "
         "checkpoint.timeout_s + this many seconds later (a stuck rank never reaches its save) "
         "are killed (Slurm's KillWait).")
+    malloc_huge_pages: bool = Field(
+        True, description="`spmd run` starts each rank with glibc's malloc asking for "
+        "transparent huge pages for its blocks (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc "
+        "2.35+): XLA's CPU runtime allocates each step's temporary buffer afresh, and the "
+        "kernel then faults it in 2 MiB at a time, not 4 KiB (the README's main job: 190 -> "
+        "150 s of CPU). A GLIBC_TUNABLES of yours that sets glibc.malloc.hugetlb stays as it "
+        "is. false: malloc as glibc sets it up.")
     prepare_timeout_s: float = Field(
         7200.0, gt=0, description="Seconds the other ranks wait for rank 0's one-time data "
         "preparation before training (Task.prepare: making a missing data set, an index, "

@@ -49,6 +49,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     from spmd.launch import bootstrap, coordinator, devices, jax_stack, mpi
     from spmd.launch.env import resolve_launch_env
     from spmd.launch.errors import LaunchError
+    from spmd.launch.huge_pages import malloc_report
     from spmd.launch.launch_config import LaunchConfig
 
     launch_cfg = load_config(args.config, args.overrides).launch if args.config else LaunchConfig()
@@ -79,6 +80,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
             devices.apply(plan)
         report["jax"] = _jax_report()
     report["launch_config"] = launch_cfg.model_dump()
+    report["malloc"] = malloc_report(os.environ)
     stack = jax_stack.installed()
     report["stack"] = stack.to_dict()
     report["warnings"] = list(stack.warnings)
@@ -126,6 +128,9 @@ def _human(report: dict[str, Any]) -> str:
         what = (f"cpu x {dev['cpu_devices'] or 1}" if dev["platform"] == "cpu"
                 else f"gpu ids {dev['local_device_ids']}")
         lines.append(row("devices", what, dev["reason"]))
+    malloc = report["malloc"]
+    lines.append(row("malloc", malloc["glibc_tunables"] or "glibc's defaults",
+                     f"GLIBC_TUNABLES; kernel THP {malloc['transparent_hugepage'] or 'unknown'}"))
     stack = report["stack"]
     versions = ", ".join(f"{name} {v or '-'}" for name, v in stack["versions"].items())
     lines.append(row("stack", f"python {stack['python']}", versions))

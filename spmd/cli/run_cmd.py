@@ -56,6 +56,7 @@ from spmd.cli.train_cmd import add_verbose, verbose_overrides
 from spmd.comm.hang_watchdog import HUNG_FILE_NAME
 from spmd.errors import ExitCode, SpmdError
 from spmd.launch import rank_shim
+from spmd.launch.huge_pages import with_huge_pages
 from spmd.launch.watchdog import launcher_environ
 
 MPIEXEC_VAR = "SPMD_MPIEXEC"   # the launcher to use instead of the embedded MPI's mpiexec
@@ -152,17 +153,22 @@ def flavor_args(mpiexec: Path, save_s: float = 0.0, kill_wait_s: float = KILL_WA
     return []
 
 
-def child_env(ppn: int) -> dict[str, str]:
+def child_env(ppn: int, huge_pages: bool = True) -> dict[str, str]:
+    """The ranks' environment: this one's without an outer launcher's rank variables, with
+    the node grouping, this launcher's identity and malloc's huge pages
+    (launch.malloc_huge_pages, spmd.launch.huge_pages)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_STALE_PREFIXES) and k not in _STALE_NAMES}
+    env = with_huge_pages(env, huge_pages)
     env["SPMD_PROCESSES_PER_NODE"] = str(ppn)
     env.update(launcher_environ())
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def check_lease(config: str, overrides: list[str]) -> tuple[Path, float, float]:
-    """The config's run.dir, checkpoint.timeout_s and launch.kill_wait_s; refused at once
+def check_lease(config: str, overrides: list[str]) -> tuple[Path, float, float, bool]:
+    """The config's run.dir, checkpoint.timeout_s, launch.kill_wait_s and
+    launch.malloc_huge_pages; refused at once
     (LeaseHeld, status 2) when a live run holds the run.dir. The ranks validate the rest
     (`model:`, `task:`): reading the task here would cost this process a JAX import."""
     from spmd.config.load import load_run_sections
@@ -173,7 +179,8 @@ def check_lease(config: str, overrides: list[str]) -> tuple[Path, float, float]:
     if state is not None and not state.stale:
         raise LeaseHeld(refusal(cfg.run.dir / LEASE_NAME, state.holder,
                                 time.time() - state.heartbeat_age_s, cfg.run.lease_stale_s))
-    return Path(cfg.run.dir), cfg.checkpoint.timeout_s, cfg.launch.kill_wait_s
+    return (Path(cfg.run.dir), cfg.checkpoint.timeout_s, cfg.launch.kill_wait_s,
+            cfg.launch.malloc_huge_pages)
 
 
 def kill_job(proc: subprocess.Popen) -> None:
@@ -278,9 +285,9 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
         raise SpmdError(f"spmd run: --ppn {args.ppn} does not divide -n {args.n} into equal nodes")
     mpiexec = find_mpiexec()
     overrides = verbose_overrides(args) if args.entry == "train" else args.overrides
-    run_dir, save_s, kill_wait_s = (check_lease(args.config, overrides)
-                                    if args.entry == "train"
-                                    else (None, DEFAULT_SAVE_S, KILL_WAIT_S))
+    run_dir, save_s, kill_wait_s, huge_pages = (check_lease(args.config, overrides)
+                                                if args.entry == "train"
+                                                else (None, DEFAULT_SAVE_S, KILL_WAIT_S, True))
     before = log_sizes(run_dir) if run_dir is not None else {}
     events_before = file_size(run_dir / "events.jsonl") if run_dir is not None else 0
     started = time.time()
@@ -301,7 +308,7 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
     print(f"spmd run: {args.n} ranks, {args.ppn} per node, via {mpiexec}", file=sys.stderr,
           flush=True)
     on_linux = sys.platform == "linux"
-    env = console_env(child_env(args.ppn), sys.stderr)
+    env = console_env(child_env(args.ppn, huge_pages), sys.stderr)
     env[rank_shim.RUN_TMPDIR_VAR] = str(folder)
     proc = subprocess.Popen(cmd, env=env,
                             start_new_session=True, stdout=subprocess.PIPE,

@@ -40,16 +40,23 @@ def test_run_groups_ranks_into_nodes(ppn, nodes):
     assert [r["local_rank"] for r in reports] == [0, 1, 2, 3]  # one physical host
     assert {r["sources"]["node_id"] for r in reports} == {f"SPMD_PROCESSES_PER_NODE={ppn}"}
     assert len({r["coordinator"] for r in reports}) == 1
+    # the ranks' malloc asks for transparent huge pages (spmd.launch.huge_pages)
+    assert {r["malloc"]["glibc_tunables"] for r in reports} == {"glibc.malloc.hugetlb=1"}
 
 
 def test_run_ignores_an_outer_launchers_rank_variables():
     need_mpiexec()
     env = clean_env(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", PMI_RANK="0",
-                    PMI_SIZE="1", SPMD_RANK="0", SPMD_SIZE="1")
+                    PMI_SIZE="1", SPMD_RANK="0", SPMD_SIZE="1",
+                    GLIBC_TUNABLES="glibc.malloc.arena_max=4")
     result = run_spmd("run", "-n", "2", "--entry", "doctor", MLP, "--", "--json", env=env,
                       timeout=120)
     assert result.returncode == 0, result.stderr
-    assert [(r["rank"], r["size"]) for r in doctor_reports(result.stdout)] == [(0, 2), (1, 2)]
+    reports = doctor_reports(result.stdout)
+    assert [(r["rank"], r["size"]) for r in reports] == [(0, 2), (1, 2)]
+    # a tunable of the user's is kept, huge pages added
+    assert {r["malloc"]["glibc_tunables"] for r in reports} == {
+        "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"}
 
 
 def test_run_without_mpiexec_says_how_to_install(tmp_path):
