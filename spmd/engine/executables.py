@@ -120,8 +120,7 @@ def compile_or_load(lowered: Any, store: Path | None, rank: int,
     JAX's cache already serves this process."""
     if jax_cache_serves is None:
         jax_cache_serves = jax_cache_serves_this_process()
-    places = [p for i, p in enumerate((store, shared)) if p is not None and p not in
-              (store, shared)[:i]]
+    places = list(dict.fromkeys(p for p in (store, shared) if p is not None))
     if not places or jax_cache_serves:
         return lowered.compile(compiler_options=compiler_options), "compiled"
     text = lowered.as_text()
