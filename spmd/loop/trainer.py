@@ -242,6 +242,10 @@ class Trainer:
         # (rank 0 rewrites it after the restore)
         previous = previous_recipe(run_dir)
         rt = self.build(env)
+        # run.keep_executables: where this rank's compiled programs are kept and loaded from
+        # (the run's store: the train step; the shared one beside JAX's cache: both)
+        store, shared = ((run_dir / "executables", shared_store())
+                         if cfg.run.keep_executables else (None, None))
         began = time.perf_counter()
         self._phase("the restore")
         checkpointer = create_checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, events=events)
@@ -259,7 +263,7 @@ class Trainer:
                         **{k: round(v, 4) for k, v in restored.timings.items()},
                         seconds=round(time.perf_counter() - began, 4))
         else:
-            state, start = rt.init(shared_store() if cfg.run.keep_executables else None), 0
+            state, start = rt.init(shared), 0
             events.emit("initialized", step=0, seconds=round(time.perf_counter() - began, 4))
         if restored is not None and start >= cfg.train.steps:  # a rerun of a finished run
             return self._already_finished(start, is_main, events, checkpointer)
@@ -282,9 +286,7 @@ class Trainer:
             for hook in hooks:
                 hook.start(info)
             self._phase("the compilation")
-            store = run_dir / "executables" if cfg.run.keep_executables else None
-            compiled, seconds, how = rt.load_or_compile_train_step(
-                store, env.rank, shared_store() if store is not None else None)
+            compiled, seconds, how = rt.load_or_compile_train_step(store, env.rank, shared)
             events.emit("compiled", seconds=round(seconds, 3), how=how)
             if self._early is not None:  # training starts: a signal now is the vote's
                 self._early.disarm()
